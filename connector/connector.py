@@ -1,0 +1,149 @@
+"""The KVConnectorBase_V1 facade that vLLM loads; it only delegates by role.
+
+Load it with::
+
+    --kv-transfer-config '{"kv_connector": "P2pMooncakeConnector",
+                           "kv_connector_module_path": "connector.connector",
+                           "kv_role": "kv_producer" | "kv_consumer",
+                           "kv_connector_extra_config": {"protocol": "tcp", ...}}'
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from connector.log import get_logger
+from connector.scheduler import P2pMetadata, P2pScheduler
+from connector.settings import ConnectorSettings
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+    from connector.worker import P2pWorker
+
+logger = get_logger(__name__)
+
+
+class P2pMooncakeConnector(KVConnectorBase_V1):
+    _cache_hit_source = CacheHitSource.P2P
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        ktc = vllm_config.kv_transfer_config
+        assert ktc is not None and ktc.engine_id is not None
+        settings = ConnectorSettings.load(ktc.kv_connector_extra_config)
+        par = vllm_config.parallel_config
+        # Each DP engine gets its own range of side-channel ports, one per TP rank.
+        base_port = settings.side_channel_port + par.data_parallel_rank * par.tensor_parallel_size
+        self._scheduler: P2pScheduler | None = None
+        self._worker: P2pWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = P2pScheduler(
+                engine_id=ktc.engine_id,
+                host=settings.advertised_host(),
+                side_channel_port=base_port,
+                can_produce=ktc.is_kv_producer,
+                can_consume=ktc.is_kv_consumer,
+            )
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            from connector.worker import P2pWorker
+
+            if kv_cache_config is None:
+                raise ValueError("P2pMooncakeConnector needs kv_cache_config on the worker")
+            tp_rank = get_tensor_model_parallel_rank()
+            self._worker = P2pWorker(
+                settings,
+                engine_id=ktc.engine_id,
+                num_blocks=kv_cache_config.num_blocks,
+                tp_rank=tp_rank,
+                side_channel_port=base_port + tp_rank,
+                can_produce=ktc.is_kv_producer,
+                can_consume=ktc.is_kv_consumer,
+            )
+
+    # --- worker side -----------------------------------------------------------------------
+
+    def _w(self) -> P2pWorker:
+        assert self._worker is not None, "worker-side call on the scheduler connector"
+        return self._worker
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._w().register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, P2pMetadata)
+        self._w().start_load_kv(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sending, recving, failed = self._w().get_transfer_results()
+        return KVConnectorTransferResults(sending, recving, failed)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        sending, recving, _ = self._w().get_transfer_results()
+        return sending or None, recving or None
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+
+    # --- scheduler side --------------------------------------------------------------------
+
+    def _s(self) -> P2pScheduler:
+        assert self._scheduler is not None, "scheduler-side call on a worker connector"
+        return self._scheduler
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        return self._s().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        self._s().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._s().build_connector_meta()
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._s().request_finished(request, block_ids)

@@ -1,0 +1,234 @@
+"""Decoder side: ask prefillers for blocks over the side channel, with timeouts.
+
+An asyncio loop runs in its own thread with one DEALER socket per prefiller worker.
+All requests for the same prefiller in one engine step share one message. Every pull
+ends as done or failed within its timeout; failures are reported to vLLM so the engine
+recomputes or fails the request instead of decoding from unwritten blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+import zmq
+import zmq.asyncio
+
+from connector.log import get_logger
+from connector.plan import RegionLayout
+from connector.wire import (
+    PROTOCOL_VERSION,
+    PullItem,
+    PullReply,
+    PullRequest,
+    WireError,
+    decode_reply,
+    encode,
+)
+
+logger = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class PullSpec:
+    """One decoder request's pull (empty ``block_ids``: a release, nothing reported back)."""
+
+    request_id: str
+    transfer_id: str
+    block_ids: list[int]
+    peer: str  # tcp://host:port of the prefiller worker's side channel
+
+
+@dataclass
+class PullStats:
+    pulls: int = 0
+    failures: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+
+class PullClient:
+    def __init__(
+        self,
+        engine_id: str,
+        session: str,
+        layout: RegionLayout,
+        pull_timeout_s: float,
+    ) -> None:
+        self._engine_id = engine_id
+        self._session = session
+        self._layout = layout
+        self._timeout = pull_timeout_s
+        # The prefiller starts no batch after this budget, so a late push cannot land in
+        # blocks that vLLM has already given back after our timeout.
+        self._budget_ms = int(max(0.5, pull_timeout_s - min(5.0, 0.2 * pull_timeout_s)) * 1000)
+        self._msg_ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._done: set[str] = set()
+        self._failed: set[str] = set()
+        self.stats = PullStats()
+        self._loop = asyncio.new_event_loop()
+        self._ctx = zmq.asyncio.Context()
+        self._sockets: dict[str, zmq.asyncio.Socket] = {}
+        self._pending: dict[str, dict[tuple[int, str], asyncio.Future[PullReply]]] = defaultdict(
+            dict
+        )
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="pd-kv-recv", daemon=True
+        )
+        self._closed = False
+
+    def start(self) -> None:
+        self._thread.start()
+
+    # --- called from vLLM's worker thread -------------------------------------------------
+
+    def submit(self, specs: list[PullSpec]) -> None:
+        if specs and not self._closed:
+            self._loop.call_soon_threadsafe(self._dispatch, specs)
+
+    def take_results(self) -> tuple[set[str], set[str]]:
+        """(finished, failed) request ids since the last call; failed ⊆ finished."""
+        with self._lock:
+            done, failed = self._done | self._failed, self._failed
+            self._done, self._failed = set(), set()
+        return done, failed
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._thread.is_alive():
+            fut = asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop)
+            try:
+                fut.result(timeout=5)
+            except Exception:
+                logger.warning("receiver shutdown did not finish cleanly", exc_info=True)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=5)
+        self._loop.close()
+        self._ctx.term()
+
+    # --- inside the loop thread ------------------------------------------------------------
+
+    def _spawn(self, coro) -> None:  # type: ignore[no-untyped-def]
+        task = self._loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _socket(self, peer: str) -> zmq.asyncio.Socket:
+        sock = self._sockets.get(peer)
+        if sock is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(peer)
+            self._sockets[peer] = sock
+            self._spawn(self._read_replies(peer, sock))
+        return sock
+
+    def _dispatch(self, specs: list[PullSpec]) -> None:
+        by_peer: dict[str, list[PullSpec]] = defaultdict(list)
+        for spec in specs:
+            by_peer[spec.peer].append(spec)
+        for peer, group in by_peer.items():
+            msg = PullRequest(
+                version=PROTOCOL_VERSION,
+                msg_id=next(self._msg_ids),
+                decoder_engine_id=self._engine_id,
+                decoder_session=self._session,
+                region_bases=list(self._layout.base_addrs),
+                block_len=self._layout.block_len,
+                block_stride=self._layout.block_stride,
+                num_blocks=self._layout.num_blocks,
+                budget_ms=self._budget_ms,
+                items=[PullItem(s.transfer_id, list(s.block_ids)) for s in group],
+            )
+            pending = self._pending[peer]
+            for spec in group:
+                fut: asyncio.Future[PullReply] = self._loop.create_future()
+                pending[(msg.msg_id, spec.transfer_id)] = fut
+                self._spawn(self._await_one(peer, msg.msg_id, spec, fut))
+            self._spawn(self._send(peer, msg))
+
+    async def _send(self, peer: str, msg: PullRequest) -> None:
+        try:
+            await self._socket(peer).send(encode(msg))
+        except zmq.ZMQError as exc:
+            self._fail_message(peer, msg.msg_id, f"send to {peer} failed: {exc}")
+
+    async def _read_replies(self, peer: str, sock: zmq.asyncio.Socket) -> None:
+        while True:
+            data = await sock.recv()
+            try:
+                reply = decode_reply(data)
+            except WireError as exc:
+                logger.warning("unreadable reply from %s: %s", peer, exc)
+                continue
+            if not reply.transfer_id:
+                self._fail_message(peer, reply.msg_id, reply.error or "rejected")
+                continue
+            fut = self._pending[peer].pop((reply.msg_id, reply.transfer_id), None)
+            if fut is not None and not fut.done():
+                fut.set_result(reply)
+
+    def _fail_message(self, peer: str, msg_id: int, error: str) -> None:
+        pending = self._pending[peer]
+        keys = [k for k in pending if k[0] == msg_id or msg_id < 0]
+        for key in keys:
+            fut = pending.pop(key)
+            if not fut.done():
+                fut.set_result(PullReply(key[0], key[1], ok=False, error=error))
+
+    async def _await_one(
+        self, peer: str, msg_id: int, spec: PullSpec, fut: asyncio.Future[PullReply]
+    ) -> None:
+        t0 = time.perf_counter()
+        try:
+            reply = await asyncio.wait_for(fut, self._timeout)
+        except asyncio.TimeoutError:
+            self._pending[peer].pop((msg_id, spec.transfer_id), None)
+            reply = PullReply(
+                msg_id, spec.transfer_id, ok=False, error=f"no reply within {self._timeout:g}s"
+            )
+        elapsed = time.perf_counter() - t0
+        if not spec.block_ids:  # a release: the prefiller frees; nothing to report to vLLM
+            if not reply.ok:
+                logger.warning(
+                    "release of %s at %s failed: %s", spec.transfer_id, peer, reply.error
+                )
+            return
+        with self._lock:
+            if reply.ok:
+                self._done.add(spec.request_id)
+                self.stats.pulls += 1
+                self.stats.bytes += reply.num_bytes
+                self.stats.seconds += elapsed
+            else:
+                self._failed.add(spec.request_id)
+                self.stats.failures += 1
+        if reply.ok:
+            logger.info(
+                "request %s: received %d blocks (%d bytes, %d segments) from %s in %.2f ms",
+                spec.request_id,
+                len(spec.block_ids),
+                reply.num_bytes,
+                reply.num_segments,
+                peer,
+                elapsed * 1e3,
+            )
+        else:
+            logger.error("request %s: pull from %s failed: %s", spec.request_id, peer, reply.error)
+
+    async def _shutdown(self) -> None:
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for sock in self._sockets.values():
+            sock.close(linger=0)
+        self._sockets.clear()

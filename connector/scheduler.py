@@ -1,0 +1,168 @@
+"""Scheduler-side state: what to receive, what to hold for a decoder, what to release.
+
+Runs in vLLM's scheduler process and never touches sockets; each engine step it hands
+the worker a :class:`P2pMetadata` with the work it decided on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.v1.request import RequestStatus
+
+from connector.log import get_logger
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.request import Request
+
+logger = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class RecvTask:
+    request_id: str
+    transfer_id: str
+    # Decoder blocks to fill; empty means "release your blocks, I need nothing".
+    block_ids: list[int]
+    remote_host: str
+    remote_port: int  # the prefiller engine's base port; worker adds its tp_rank
+
+
+@dataclass
+class P2pMetadata(KVConnectorMetadata):
+    recv: list[RecvTask] = field(default_factory=list)
+    # transfer id -> prefiller block ids held for a decoder
+    send: dict[str, list[int]] = field(default_factory=dict)
+    # transfer ids the prefiller finished without holding blocks (aborted, stopped early)
+    dropped: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class RemotePrefill:
+    """Validated ``kv_transfer_params`` of a request whose prompt KV lives on a prefiller."""
+
+    transfer_id: str
+    remote_host: str
+    remote_port: int
+
+    @classmethod
+    def parse(cls, params: dict[str, Any]) -> RemotePrefill | None:
+        tid, host, port = (
+            params.get("transfer_id"),
+            params.get("remote_host"),
+            params.get("remote_port"),
+        )
+        if not (isinstance(tid, str) and tid and isinstance(host, str) and host):
+            return None
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+            return None
+        return cls(tid, host, port)
+
+
+class P2pScheduler:
+    def __init__(
+        self,
+        engine_id: str,
+        host: str,
+        side_channel_port: int,
+        can_produce: bool,
+        can_consume: bool,
+    ) -> None:
+        self.engine_id = engine_id
+        self._host = host
+        self._port = side_channel_port
+        self._can_produce = can_produce
+        self._can_consume = can_consume
+        self._meta = P2pMetadata()
+        self.num_not_handed_over = 0  # do_remote_decode requests that ended without KV to hand over
+
+    # --- decode side -----------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        if not (self._can_consume and params and params.get("do_remote_prefill")):
+            return 0, False
+        if RemotePrefill.parse(params) is None:
+            return 0, False
+        count = request.num_prompt_tokens - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        params = request.kv_transfer_params
+        if not (self._can_consume and params and params.get("do_remote_prefill")):
+            return
+        # One transfer per request, even if it is preempted and scheduled again.
+        params["do_remote_prefill"] = False
+        remote = RemotePrefill.parse(params)
+        if remote is None:
+            logger.warning(
+                "request %s: incomplete kv_transfer_params %s; computing the prompt locally",
+                request.request_id,
+                params,
+            )
+            return
+        block_ids: list[int] = []
+        if num_external_tokens > 0:
+            groups = blocks.get_unhashed_block_ids_all_groups()
+            if len(groups) != 1:
+                raise NotImplementedError("hybrid KV cache groups are not supported yet")
+            block_ids = list(groups[0])
+        self._add_recv(request.request_id, remote, block_ids)
+
+    def _add_recv(self, request_id: str, remote: RemotePrefill, block_ids: list[int]) -> None:
+        self._meta.recv.append(
+            RecvTask(
+                request_id, remote.transfer_id, block_ids, remote.remote_host, remote.remote_port
+            )
+        )
+
+    # --- both sides ------------------------------------------------------------------------
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        params = request.kv_transfer_params
+        if not params:
+            return False, None
+        if params.get("do_remote_prefill"):
+            # Never allocated (aborted while waiting): still tell the prefiller to free.
+            params["do_remote_prefill"] = False
+            remote = RemotePrefill.parse(params)
+            if remote is not None:
+                self._add_recv(request.request_id, remote, [])
+            return False, None
+        if not (self._can_produce and params.get("do_remote_decode")):
+            return False, None
+        if request.status != RequestStatus.FINISHED_LENGTH_CAPPED or not block_ids:
+            # EOS, a stop string or an abort: the proxy gets no params and the decoder
+            # computes the prompt itself.
+            self.num_not_handed_over += 1
+            self._meta.dropped.append(request.request_id)
+            logger.warning(
+                "request %s finished as %s with %d blocks: KV not handed over",
+                request.request_id,
+                request.status.name,
+                len(block_ids),
+            )
+            return False, None
+        self._meta.send[request.request_id] = list(block_ids)
+        return True, {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.engine_id,
+            "remote_host": self._host,
+            "remote_port": self._port,
+            "transfer_id": request.request_id,
+            "remote_num_blocks": len(block_ids),
+        }
+
+    def build_connector_meta(self) -> P2pMetadata:
+        meta, self._meta = self._meta, P2pMetadata()
+        return meta

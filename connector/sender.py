@@ -1,0 +1,212 @@
+"""Prefiller side: accept pulls on a ZMQ ROUTER, push blocks, reply per request.
+
+The socket thread only decodes and routes; pushes run on a small thread pool, and
+their replies come back to the socket thread through an inproc pipe (ZMQ sockets are
+not thread-safe). A malformed pull is answered with an error and never stops the loop.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import zmq
+
+from connector.log import get_logger
+from connector.plan import RegionLayout, align_to_remote, build_transfer_plan
+from connector.send_registry import ClaimError, Outcome, SendRegistry
+from connector.transport import TransferError
+from connector.wire import PullReply, PullRequest, WireError, decode_pull, encode
+
+logger = get_logger(__name__)
+
+WriteFn = Callable[[str, list[int], list[int], list[int]], None]
+
+
+@dataclass
+class PushStats:
+    """Counters since start; read by the connector's stats and logs."""
+
+    transfers: int = 0
+    failures: int = 0
+    bytes: int = 0
+    segments: int = 0
+    blocks: int = 0
+    seconds: float = 0.0
+
+
+class PushHandler:
+    """Serve one decoded pull: claim, plan, push, finish. No sockets here."""
+
+    def __init__(
+        self,
+        registry: SendRegistry,
+        local: RegionLayout,
+        write: WriteFn,
+        ready_timeout_s: float,
+        max_segments_per_batch: int,
+    ) -> None:
+        self._registry = registry
+        self._local = local
+        self._write = write
+        self._ready_timeout_s = ready_timeout_s
+        self._max_segments = max_segments_per_batch
+        self._lock = threading.Lock()
+        self.stats = PushStats()
+
+    def serve(self, req: PullRequest, received_at: float) -> Iterator[PullReply]:
+        deadline = received_at + req.budget_ms / 1000.0
+        remote = RegionLayout(
+            tuple(req.region_bases), req.block_len, req.block_stride, req.num_blocks
+        )
+        for item in req.items:
+            tid = item.transfer_id
+            try:
+                wait = min(self._ready_timeout_s, max(0.0, deadline - time.monotonic()))
+                local_ids = self._registry.claim(tid, wait)
+            except ClaimError as exc:
+                logger.warning("pull %s from %s refused: %s", tid, req.decoder_engine_id, exc)
+                yield PullReply(req.msg_id, tid, ok=False, error=str(exc))
+                continue
+            if not item.block_ids:
+                self._registry.finish(tid, Outcome.RELEASED)
+                logger.debug("transfer %s released by decoder (nothing to send)", tid)
+                yield PullReply(req.msg_id, tid, ok=True)
+                continue
+            yield self._push(req, tid, local_ids, item.block_ids, remote, deadline)
+
+    def _push(
+        self,
+        req: PullRequest,
+        tid: str,
+        local_ids: list[int],
+        remote_ids: list[int],
+        remote: RegionLayout,
+        deadline: float,
+    ) -> PullReply:
+        t0 = time.perf_counter()
+        try:
+            src_ids = align_to_remote(local_ids, len(remote_ids))
+            plan = build_transfer_plan(src_ids, remote_ids, self._local, remote)
+            for src, dst, lengths in plan.batches(self._max_segments):
+                if time.monotonic() > deadline:
+                    raise TimeoutError("decoder's pull budget ran out before the push finished")
+                self._write(req.decoder_session, src, dst, lengths)
+        except (ValueError, TransferError, TimeoutError) as exc:
+            self._registry.finish(tid, Outcome.FAILED)
+            with self._lock:
+                self.stats.failures += 1
+            logger.error("transfer %s to %s failed: %s", tid, req.decoder_session, exc)
+            return PullReply(req.msg_id, tid, ok=False, error=str(exc))
+        elapsed = time.perf_counter() - t0
+        self._registry.finish(tid, Outcome.SENT)
+        with self._lock:
+            s = self.stats
+            s.transfers += 1
+            s.bytes += plan.total_bytes
+            s.segments += len(plan)
+            s.blocks += len(remote_ids)
+            s.seconds += elapsed
+        logger.info(
+            "transfer %s: pushed %d blocks as %d segments, %d bytes in %.2f ms to %s",
+            tid,
+            len(remote_ids),
+            len(plan),
+            plan.total_bytes,
+            elapsed * 1e3,
+            req.decoder_session,
+        )
+        return PullReply(
+            req.msg_id, tid, ok=True, num_bytes=plan.total_bytes, num_segments=len(plan)
+        )
+
+
+class SideChannelServer:
+    """The ROUTER socket thread plus the sender pool. Owns every socket and thread it makes."""
+
+    def __init__(self, bind_host: str, port: int, handler: PushHandler, threads: int) -> None:
+        self._handler = handler
+        self._ctx = zmq.Context()
+        self._router = self._ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.LINGER, 0)
+        self._router.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self.endpoint = f"tcp://{bind_host}:{port}"
+        self._router.bind(self.endpoint)
+        self._inbox = f"inproc://pd-kv-replies-{id(self)}"
+        self._replies_in = self._ctx.socket(zmq.PULL)
+        self._replies_in.bind(self._inbox)
+        self._replies_out = self._ctx.socket(zmq.PUSH)
+        self._replies_out.setsockopt(zmq.LINGER, 0)
+        self._replies_out.connect(self._inbox)
+        self._out_lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="pd-kv-send")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pd-kv-side-channel", daemon=True)
+        self.malformed = 0
+
+    def start(self) -> None:
+        self._thread.start()
+        logger.info("KV side channel listening on %s", self.endpoint)
+
+    def _reply(self, ident: bytes, reply: PullReply) -> None:
+        with self._out_lock:
+            if not self._stop.is_set():
+                self._replies_out.send_multipart([ident, encode(reply)])
+
+    def _serve(self, ident: bytes, req: PullRequest, received_at: float) -> None:
+        try:
+            for reply in self._handler.serve(req, received_at):
+                self._reply(ident, reply)
+        except Exception as exc:  # never let one pull kill the pool thread silently
+            logger.exception("pull %d failed unexpectedly", req.msg_id)
+            self._reply(ident, PullReply(req.msg_id, "", ok=False, error=f"internal error: {exc}"))
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._replies_in, zmq.POLLIN)
+        while not self._stop.is_set():
+            try:
+                events = dict(poller.poll(100))
+            except zmq.ZMQError:
+                break
+            if self._replies_in in events:
+                while True:
+                    try:
+                        frames = self._replies_in.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._router.send_multipart(frames)
+            if self._router in events:
+                frames = self._router.recv_multipart()
+                self._on_message(frames)
+
+    def _on_message(self, frames: list[bytes]) -> None:
+        ident, payload = frames[0], frames[-1]
+        received_at = time.monotonic()
+        try:
+            if len(frames) < 2:
+                raise WireError("empty message")
+            req = decode_pull(payload)
+        except WireError as exc:
+            self.malformed += 1
+            logger.warning("malformed pull (%d bytes): %s", len(payload), exc)
+            self._router.send_multipart(
+                [ident, encode(PullReply(-1, "", ok=False, error=str(exc)))]
+            )
+            return
+        try:
+            self._pool.submit(self._serve, ident, req, received_at)
+        except RuntimeError:  # pool already shut down
+            return
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        for sock in (self._router, self._replies_in, self._replies_out):
+            sock.close(linger=0)
+        self._ctx.term()

@@ -1,0 +1,227 @@
+"""Start, watch and stop a local P/D lab: vLLM instances and the proxy, as child processes.
+
+Used by the demo and the end-to-end tests. Every process is started in its own session
+and stopped by its own PID (never by name); every wait has a deadline and also checks
+that the process is still alive, since a dying vLLM answers /health with 503 for a
+while before it exits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_MODEL = ROOT / "models" / "tiny-llama"
+CONFIGS = ROOT / "configs"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def kv_config(role: str, side_channel_port: int, **extra: object) -> dict[str, object]:
+    """The CPU lab's kv-transfer config for ``role`` with a given side-channel port."""
+    cfg = json.loads((CONFIGS / f"kv-{role}-cpu.json").read_text())
+    cfg["kv_connector_extra_config"] = {
+        **cfg["kv_connector_extra_config"],
+        "side_channel_port": side_channel_port,
+        **extra,
+    }
+    return cfg
+
+
+class ProcessDied(RuntimeError):
+    pass
+
+
+@dataclass
+class Child:
+    """A supervised child process with its log file."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    log_path: Path
+    url: str
+    proc: subprocess.Popen[bytes] | None = None
+    started_at: float = 0.0
+    ready_after_s: float | None = None
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = self.log_path.open("wb")
+        self.started_at = time.monotonic()
+        self.proc = subprocess.Popen(
+            self.argv,
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=ROOT,
+            start_new_session=True,
+        )
+        log.close()
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def wait_ready(self, timeout_s: float, path: str = "/health") -> float:
+        deadline = time.monotonic() + timeout_s
+        with httpx.Client(timeout=2.0) as client:
+            while True:
+                if not self.alive():
+                    code = self.proc.returncode if self.proc else None
+                    raise ProcessDied(
+                        f"{self.name} exited (code {code}) before it was ready; "
+                        f"log {self.log_path}:\n{self.log_tail()}"
+                    )
+                try:
+                    if client.get(self.url + path).status_code == 200:
+                        self.ready_after_s = time.monotonic() - self.started_at
+                        return self.ready_after_s
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"{self.name} not ready after {timeout_s:g}s; log {self.log_path}:\n"
+                        f"{self.log_tail()}"
+                    )
+                time.sleep(0.5)
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        """SIGTERM the child's own process group, then SIGKILL it after ``grace_s``."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        try:
+            self.proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(5)
+
+
+def vllm_child(
+    name: str,
+    role: str,
+    port: int,
+    log_dir: Path,
+    *,
+    kv: dict[str, object] | None = None,
+    core: int | None = None,
+    block_size: int = 32,
+    prefix_caching: bool = True,
+    model_dir: Path = DEFAULT_MODEL,
+    extra_args: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+) -> Child:
+    """A vLLM instance launched through scripts/launch_vllm.sh (what operators run)."""
+    child_env = dict(os.environ)
+    child_env.update(env or {})
+    child_env["MODEL_DIR"] = str(model_dir)
+    child_env["BLOCK_SIZE"] = str(block_size)
+    child_env["VENV"] = sys.prefix
+    if core is not None:
+        child_env["CPU_CORE"] = str(core)
+    if kv is not None:
+        fd, path = tempfile.mkstemp(prefix=f"kv-{name}-", suffix=".json", dir=log_dir)
+        with os.fdopen(fd, "w") as f:
+            json.dump(kv, f)
+        child_env["KV_CONFIG"] = path
+    args = list(extra_args)
+    if not prefix_caching:
+        args.append("--no-enable-prefix-caching")
+    return Child(
+        name=name,
+        argv=["bash", str(ROOT / "scripts" / "launch_vllm.sh"), role, str(port), *args],
+        env=child_env,
+        log_path=log_dir / f"{name}.log",
+        url=f"http://127.0.0.1:{port}",
+    )
+
+
+def proxy_child(
+    port: int, prefill: Sequence[str], decode: Sequence[str], log_dir: Path, *extra: str
+) -> Child:
+    argv = [sys.executable, "-m", "proxy", "--port", str(port)]
+    for url in prefill:
+        argv += ["--prefill", url]
+    for url in decode:
+        argv += ["--decode", url]
+    return Child(
+        name="proxy",
+        argv=[*argv, *extra],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        log_path=log_dir / "proxy.log",
+        url=f"http://127.0.0.1:{port}",
+    )
+
+
+@dataclass
+class Lab:
+    """A set of children started together and always stopped together."""
+
+    children: list[Child] = field(default_factory=list)
+
+    def start_all(
+        self, timeout_s: float = 240.0, progress: Callable[[str], None] | None = None
+    ) -> None:
+        for c in self.children:
+            c.start()
+            if progress:
+                progress(f"started {c.name} (pid {c.pid}) -> {c.url}, log {c.log_path}")
+        for c in self.children:
+            took = c.wait_ready(timeout_s)
+            if progress:
+                progress(f"{c.name} ready after {took:.1f}s")
+
+    def stop_all(self) -> None:
+        for c in reversed(self.children):
+            c.stop()
+
+    def __enter__(self) -> Lab:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop_all()
+
+
+def prompt_tokens_by_source(metrics_text: str) -> dict[str, float]:
+    """``vllm:prompt_tokens_by_source_total`` per source, from a /metrics page."""
+    out: dict[str, float] = {}
+    for line in metrics_text.splitlines():
+        if line.startswith("vllm:prompt_tokens_by_source_total{"):
+            labels, value = line.rsplit(" ", 1)
+            source = labels.split('source="', 1)[1].split('"', 1)[0]
+            out[source] = out.get(source, 0.0) + float(value)
+    return out

