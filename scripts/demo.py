@@ -55,10 +55,22 @@ def main() -> int:
     d_url = f"http://127.0.0.1:{args.decode_port}"
     lab = Lab(
         [
-            vllm_child("prefill", "prefill", args.prefill_port, log_dir, core=0,
-                       kv=kv_config("prefill", args.side_channel_port)),
-            vllm_child("decode", "decode", args.decode_port, log_dir, core=1,
-                       kv=kv_config("decode", args.side_channel_port + 100)),
+            vllm_child(
+                "prefill",
+                "prefill",
+                args.prefill_port,
+                log_dir,
+                core=0,
+                kv=kv_config("prefill", args.side_channel_port),
+            ),
+            vllm_child(
+                "decode",
+                "decode",
+                args.decode_port,
+                log_dir,
+                core=1,
+                kv=kv_config("decode", args.side_channel_port + 100),
+            ),
             proxy_child(args.port, [p_url], [d_url], log_dir),
         ]
     )
@@ -75,27 +87,42 @@ def main() -> int:
                 "generation, so the prefill node computes the KV cache once and the "
                 "decode node receives it over the network."
             )
-            r = client.post("/v1/completions", json={
-                "model": model, "prompt": prompt, "max_tokens": 16, "temperature": 0})
+            r = client.post(
+                "/v1/completions",
+                json={"model": model, "prompt": prompt, "max_tokens": 16, "temperature": 0},
+            )
             r.raise_for_status()
             out = r.json()
-            say(f"completion ({out['usage']['prompt_tokens']} prompt tokens, "
-                f"x-request-id {r.headers.get('x-request-id')}): {out['choices'][0]['text']!r}")
-            r = client.post("/v1/chat/completions", json={
-                "model": model, "max_tokens": 16, "temperature": 0,
-                "messages": [{"role": "user", "content": "What does a KV connector do?"}]})
+            say(
+                f"completion ({out['usage']['prompt_tokens']} prompt tokens, "
+                f"x-request-id {r.headers.get('x-request-id')}): {out['choices'][0]['text']!r}"
+            )
+            r = client.post(
+                "/v1/chat/completions",
+                json={
+                    "model": model,
+                    "max_tokens": 16,
+                    "temperature": 0,
+                    "messages": [{"role": "user", "content": "What does a KV connector do?"}],
+                },
+            )
             r.raise_for_status()
             out = r.json()
-            say(f"chat ({out['usage']['prompt_tokens']} prompt tokens): "
-                f"{out['choices'][0]['message']['content']!r}")
+            say(
+                f"chat ({out['usage']['prompt_tokens']} prompt tokens): "
+                f"{out['choices'][0]['message']['content']!r}"
+            )
         sources = prompt_tokens_by_source(httpx.get(d_url + "/metrics", timeout=10).text)
         say(f"decoder prompt tokens by source: {sources}")
         pushes = re.findall(r"transfer \S+: pushed .*", (log_dir / "prefill.log").read_text())
         for line in pushes:
             say(f"prefill connector: {line}")
         ok = sources.get("external_kv_transfer", 0) > 0 and sources.get("local_compute", 0) == 0
-        say("KV crossed over: the decoder computed no prompt token itself" if ok
-            else "WARNING: the decoder computed prompt tokens itself")
+        say(
+            "KV crossed over: the decoder computed no prompt token itself"
+            if ok
+            else "WARNING: the decoder computed prompt tokens itself"
+        )
         if args.keep:
             say(f"proxy at {base} (Ctrl-C to stop)")
             try:

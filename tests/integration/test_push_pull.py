@@ -1,0 +1,242 @@
+"""Two processes, the real Mooncake engine over TCP, CPU buffers: every byte checked."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+
+from connector.scheduler import P2pMetadata, RecvTask
+from connector.settings import ConnectorSettings
+from connector.wire import decode_reply, encode
+from connector.worker import P2pWorker
+from tests.integration.kvbuf import block_bytes, make_caches
+from tests.servers import free_port
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+CFG = {"num_blocks": 64, "layers": 3, "heads": 2, "block_size": 32, "head": 32, "seed": 1234}
+
+
+class Prefiller:
+    def __init__(self, **overrides) -> None:
+        self.port = free_port()
+        cfg = {**CFG, "port": self.port, **overrides}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.integration.prefiller_proc", json.dumps(cfg)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            cwd=ROOT,
+            text=True,
+            env={**os.environ, "MC_LOG_LEVEL": "ERROR"},
+        )
+        assert self.read(60)["event"] == "ready"
+        _, self.caches = make_caches(cfg, seed=cfg["seed"])  # same bytes, for checking
+
+    def read(self, timeout: float = 20) -> dict:
+        import select
+
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        assert ready, "prefiller process did not answer"
+        line = self.proc.stdout.readline()
+        assert line, f"prefiller exited with {self.proc.poll()}"
+        return json.loads(line)
+
+    def call(self, **cmd) -> dict:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self.read()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.call(cmd="quit")
+            self.proc.wait(20)
+
+
+@pytest.fixture(scope="module")
+def prefiller():
+    p = Prefiller()
+    yield p
+    p.close()
+
+
+@pytest.fixture(scope="module")
+def decoder():
+    settings = ConnectorSettings.load(
+        {"protocol": "tcp", "host": "127.0.0.1", "pull_timeout_s": 3}, env={}
+    )
+    w = P2pWorker(settings, "decode-test", CFG["num_blocks"], 0, free_port(), False, True)
+    buf, caches = make_caches(CFG, seed=None)
+    w.register_kv_caches(caches)
+    yield w, buf, caches
+    w.shutdown()
+
+
+def pull(
+    decoder, port: int, request_id: str, transfer_id: str, dst: list[int], timeout: float = 15
+):
+    w, _, _ = decoder
+    w.start_load_kv(P2pMetadata(recv=[RecvTask(request_id, transfer_id, dst, "127.0.0.1", port)]))
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        _, done, failed = w.get_transfer_results()
+        if request_id in done:
+            return request_id not in failed
+        assert not done, f"unexpected results {done}"
+        time.sleep(0.01)
+    raise AssertionError(f"{request_id} never finished")
+
+
+def assert_copied(prefiller, decoder, src: list[int], dst: list[int]) -> None:
+    _, buf, caches = decoder
+    for layer in range(CFG["layers"]):
+        for s, d in zip(src, dst, strict=True):
+            assert block_bytes(caches, layer, d) == block_bytes(prefiller.caches, layer, s), (
+                layer,
+                s,
+                d,
+            )
+    # Nothing outside the requested blocks was written.
+    untouched = [b for b in range(CFG["num_blocks"]) if b not in dst]
+    for layer in range(CFG["layers"]):
+        for b in untouched:
+            assert not any(block_bytes(caches, layer, b))
+    buf.zero_()
+
+
+def test_non_contiguous_blocks_arrive_byte_exact(prefiller, decoder):
+    src = [3, 4, 5, 9, 10, 20, 21, 22, 40]
+    dst = [7, 8, 30, 31, 32, 2, 50, 51, 52]
+    prefiller.call(cmd="hold", transfer_id="t-nc", block_ids=src)
+    assert pull(decoder, prefiller.port, "r-nc", "t-nc", dst)
+    assert_copied(prefiller, decoder, src, dst)
+    res = prefiller.call(cmd="results")
+    assert "t-nc" in res["finished_sending"]
+
+
+def test_partial_prefix_gets_the_tail(prefiller, decoder):
+    prefiller.call(cmd="hold", transfer_id="t-tail", block_ids=[11, 12, 13, 14, 15])
+    assert pull(decoder, prefiller.port, "r-tail", "t-tail", [60, 61])
+    assert_copied(prefiller, decoder, [14, 15], [60, 61])
+
+
+def test_unknown_request_id_fails_without_hanging(prefiller, decoder):
+    t0 = time.monotonic()
+    assert pull(decoder, prefiller.port, "r-unknown", "t-never", [1, 2]) is False
+    assert time.monotonic() - t0 < 3  # the prefiller's ready timeout is 1 s
+    assert_copied(prefiller, decoder, [], [])
+
+
+def test_duplicate_pull_is_refused_and_freed_once(prefiller, decoder):
+    prefiller.call(cmd="hold", transfer_id="t-dup", block_ids=[1, 2])
+    assert pull(decoder, prefiller.port, "r-dup1", "t-dup", [5, 6])
+    decoder[1].zero_()
+    assert pull(decoder, prefiller.port, "r-dup2", "t-dup", [5, 6]) is False
+    assert_copied(prefiller, decoder, [], [])  # the replay wrote nothing
+    res = prefiller.call(cmd="results")
+    assert res["finished_sending"].count("t-dup") <= 1
+    assert prefiller.call(cmd="results")["finished_sending"] == []
+
+
+def test_release_frees_without_transfer(prefiller, decoder):
+    prefiller.call(cmd="hold", transfer_id="t-rel", block_ids=[30, 31])
+    w = decoder[0]
+    w.start_load_kv(P2pMetadata(recv=[RecvTask("r-rel", "t-rel", [], "127.0.0.1", prefiller.port)]))
+    deadline = time.monotonic() + 10
+    freed: list[str] = []
+    while time.monotonic() < deadline and "t-rel" not in freed:
+        freed += prefiller.call(cmd="results")["finished_sending"]
+        time.sleep(0.05)
+    assert "t-rel" in freed
+    assert w.get_transfer_results()[1] == set()  # a release is not reported to vLLM
+    assert_copied(prefiller, decoder, [], [])
+
+
+def test_prefiller_drop_is_refused_at_once(prefiller, decoder):
+    prefiller.call(cmd="drop", transfer_id="t-drop")
+    t0 = time.monotonic()
+    assert pull(decoder, prefiller.port, "r-drop", "t-drop", [1]) is False
+    assert time.monotonic() - t0 < 0.9
+
+
+def test_malformed_messages_get_error_replies_and_channel_survives(prefiller, decoder):
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 5000)
+    sock.connect(f"tcp://127.0.0.1:{prefiller.port}")
+    try:
+        for garbage in (b"", b"\x00\xff garbage", encode_reply_as_pull()):
+            sock.send(garbage)
+            reply = decode_reply(sock.recv())
+            assert reply.ok is False and reply.transfer_id == "" and reply.error
+    finally:
+        sock.close()
+    assert prefiller.call(cmd="results")["malformed"] >= 3
+    prefiller.call(cmd="hold", transfer_id="t-after", block_ids=[0])
+    assert pull(decoder, prefiller.port, "r-after", "t-after", [63])
+    assert_copied(prefiller, decoder, [0], [63])
+
+
+def encode_reply_as_pull() -> bytes:
+    from connector.wire import PullReply
+
+    return encode(PullReply(1, "x", ok=True))
+
+
+def test_wrong_region_layout_is_refused_and_blocks_freed(prefiller):
+    """A decoder whose KV layout differs (e.g. another model) must not receive anything."""
+    settings = ConnectorSettings.load(
+        {"protocol": "tcp", "host": "127.0.0.1", "pull_timeout_s": 3}, env={}
+    )
+    w = P2pWorker(settings, "decode-other", CFG["num_blocks"], 0, free_port(), False, True)
+    _, caches = make_caches({**CFG, "layers": 2}, seed=None)
+    w.register_kv_caches(caches)
+    try:
+        prefiller.call(cmd="hold", transfer_id="t-layout", block_ids=[1])
+        assert pull((w, None, None), prefiller.port, "r-layout", "t-layout", [1]) is False
+        assert not any(block_bytes(caches, 0, 1))
+    finally:
+        w.shutdown()
+    res = prefiller.call(cmd="results")
+    assert "t-layout" in res["finished_sending"] and res["counts"]["failed"] >= 1
+
+
+def test_dead_prefiller_fails_within_timeout(decoder):
+    t0 = time.monotonic()
+    assert pull(decoder, free_port(), "r-dead", "t-dead", [1, 2]) is False
+    assert time.monotonic() - t0 < 6  # pull_timeout_s = 3
+
+
+def test_expiry_frees_blocks_nobody_asked_for(decoder):
+    p = Prefiller(expiry_s=1)
+    try:
+        p.call(cmd="hold", transfer_id="t-exp", block_ids=[1, 2, 3])
+        assert p.call(cmd="results")["finished_sending"] == []
+        time.sleep(1.3)
+        res = p.call(cmd="results")
+        assert res["finished_sending"] == ["t-exp"]
+        assert res["counts"]["expired"] == 1 and res["held"] == 0
+        assert pull(decoder, p.port, "r-exp", "t-exp", [1, 2, 3]) is False
+    finally:
+        p.close()
+
+
+def test_large_transfer_is_split_under_the_segment_cap(decoder):
+    """More segments than one batch may carry: split into several engine calls."""
+    p = Prefiller(max_segments_per_batch=8)
+    try:
+        src = list(range(0, 40, 2))  # 20 non-contiguous blocks x 3 layers = 60 segments
+        dst = list(range(1, 41, 2))
+        p.call(cmd="hold", transfer_id="t-big", block_ids=src)
+        assert pull(decoder, p.port, "r-big", "t-big", dst)
+        assert_copied(p, decoder, src, dst)
+    finally:
+        p.close()

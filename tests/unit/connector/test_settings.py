@@ -1,0 +1,36 @@
+import pytest
+
+from connector.settings import ConnectorSettings
+
+
+def test_defaults():
+    s = ConnectorSettings.load({}, env={})
+    assert s.protocol == "rdma"
+    assert s.expiry_s == 120.0
+    assert s.max_segments_per_batch <= 1024
+
+
+def test_extra_config_beats_env_beats_default():
+    env = {"PD_KV_EXPIRY_S": "7", "PD_KV_PROTOCOL": "tcp"}
+    s = ConnectorSettings.load({"expiry_s": 3}, env=env)
+    assert s.expiry_s == 3.0
+    assert s.protocol == "tcp"
+
+
+def test_types_are_coerced_and_validated():
+    s = ConnectorSettings.load({"side_channel_port": "17200", "sender_threads": "1"}, env={})
+    assert s.side_channel_port == 17200 and s.sender_threads == 1
+    with pytest.raises(ValueError, match="expiry_s"):
+        ConnectorSettings.load({"expiry_s": "soon"}, env={})
+    with pytest.raises(ValueError, match="must be positive"):
+        ConnectorSettings.load({}, env={"PD_KV_EXPIRY_S": "0"})
+    with pytest.raises(ValueError, match="max_segments_per_batch"):
+        ConnectorSettings.load({"max_segments_per_batch": 5000}, env={})
+
+
+def test_explicit_host_is_used():
+    s = ConnectorSettings.load({"host": "10.1.2.3"}, env={})
+    assert s.advertised_host() == "10.1.2.3"
+    assert s.side_channel_bind_host() == "10.1.2.3"
+    s = ConnectorSettings.load({"host": "10.1.2.3", "bind_host": "0.0.0.0"}, env={})
+    assert s.side_channel_bind_host() == "0.0.0.0"

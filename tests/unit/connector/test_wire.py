@@ -1,0 +1,74 @@
+import contextlib
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from connector.wire import (
+    PROTOCOL_VERSION,
+    PullItem,
+    PullReply,
+    PullRequest,
+    WireError,
+    decode_pull,
+    decode_reply,
+    encode,
+)
+
+
+def make_pull(**kw) -> PullRequest:
+    base = dict(
+        version=PROTOCOL_VERSION,
+        msg_id=7,
+        decoder_engine_id="dec-1",
+        decoder_session="127.0.0.1:15001",
+        region_bases=[4096, 8192],
+        block_len=512,
+        block_stride=512,
+        num_blocks=100,
+        budget_ms=20_000,
+        items=[PullItem("t-1", [3, 4, 5]), PullItem("t-2", [])],
+    )
+    base.update(kw)
+    return PullRequest(**base)
+
+
+def test_pull_round_trip():
+    msg = make_pull()
+    assert decode_pull(encode(msg)) == msg
+
+
+def test_reply_round_trip():
+    reply = PullReply(7, "t-1", ok=True, num_bytes=1024, num_segments=2)
+    assert decode_reply(encode(reply)) == reply
+
+
+def test_reply_is_not_a_pull():
+    with pytest.raises(WireError, match="expected a pull request"):
+        decode_pull(encode(PullReply(1, "t", ok=True)))
+    with pytest.raises(WireError, match="expected a pull reply"):
+        decode_reply(encode(make_pull()))
+
+
+def test_wrong_version_refused():
+    with pytest.raises(WireError, match="protocol version 99"):
+        decode_pull(encode(make_pull(version=99)))
+
+
+def test_wrong_field_types_refused():
+    raw = msgspec.msgpack.encode({"type": "pull", "version": 1, "msg_id": "x"})
+    with pytest.raises(WireError):
+        decode_pull(raw)
+    raw = msgspec.msgpack.encode(
+        {**msgspec.to_builtins(make_pull()), "items": [{"transfer_id": 3}]}
+    )
+    with pytest.raises(WireError):
+        decode_pull(raw)
+
+
+@settings(max_examples=300)
+@given(st.binary(max_size=512))
+def test_garbage_only_raises_wire_error(data):
+    with contextlib.suppress(WireError):
+        decode_pull(data)

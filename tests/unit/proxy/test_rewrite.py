@@ -1,0 +1,100 @@
+import pytest
+
+from proxy.rewrite import decode_body, prefill_body, validate_body
+
+KV_REQ = {"do_remote_decode": True, "do_remote_prefill": False}
+
+
+def test_completions_prefill_leg():
+    body = {
+        "model": "m",
+        "prompt": "hello",
+        "max_tokens": 50,
+        "min_tokens": 10,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "stop": ["\n"],
+        "stop_token_ids": [5],
+        "logprobs": 3,
+        "echo": True,
+        "n": 2,
+        "best_of": 3,
+        "temperature": 0.7,
+        "seed": 1,
+    }
+    out = prefill_body(body, "completions")
+    assert out == {
+        "model": "m",
+        "prompt": "hello",
+        "max_tokens": 1,
+        "min_tokens": 1,
+        "n": 1,
+        "stream": False,
+        "temperature": 0.7,
+        "seed": 1,
+        "kv_transfer_params": KV_REQ,
+    }
+    assert body["max_tokens"] == 50 and body["stream"] is True  # the client's body is untouched
+
+
+def test_chat_prefill_leg_keeps_prompt_shaping_fields():
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_completion_tokens": 30,
+        "max_tokens": 30,
+        "tools": tools,
+        "logprobs": True,
+        "top_logprobs": 2,
+        "response_format": {"type": "json_object"},
+        "chat_template_kwargs": {"x": 1},
+    }
+    out = prefill_body(body, "chat")
+    assert out["max_completion_tokens"] == 1
+    assert "max_tokens" not in out
+    assert out["tools"] == tools and out["chat_template_kwargs"] == {"x": 1}
+    for dropped in ("logprobs", "top_logprobs", "response_format"):
+        assert dropped not in out
+    assert out["stream"] is False and out["kv_transfer_params"] == KV_REQ
+
+
+def test_chat_without_limits_gets_max_tokens():
+    out = prefill_body({"model": "m", "messages": [{"role": "user", "content": "x"}]}, "chat")
+    assert out["max_tokens"] == 1 and "max_completion_tokens" not in out
+
+
+def test_decode_leg_is_the_original_plus_handle():
+    body = {"model": "m", "prompt": "p", "max_tokens": 9, "stream": True, "stop": ["x"]}
+    kv = {"do_remote_prefill": True, "transfer_id": "t"}
+    out = decode_body(body, kv)
+    assert out == {**body, "kv_transfer_params": kv}
+
+
+def test_client_supplied_kv_params_never_reach_the_decoder():
+    body = {"model": "m", "prompt": "p", "kv_transfer_params": {"remote_host": "evil"}}
+    assert "kv_transfer_params" not in decode_body(body, None)
+    assert prefill_body(body, "completions")["kv_transfer_params"] == KV_REQ
+
+
+@pytest.mark.parametrize(
+    ("body", "endpoint", "reason"),
+    [
+        ([], "completions", "JSON object"),
+        ({"model": "m"}, "completions", "'prompt' is required"),
+        ({"model": "m", "messages": []}, "chat", "non-empty list"),
+        ({"model": "m", "messages": "hi"}, "chat", "non-empty list"),
+        (
+            {"model": "m", "prompt": "x", "stream": "yes"},
+            "completions",
+            "'stream' must be a boolean",
+        ),
+    ],
+)
+def test_validation(body, endpoint, reason):
+    assert reason in validate_body(body, endpoint)
+
+
+def test_valid_bodies():
+    assert validate_body({"prompt": [1, 2]}, "completions") is None
+    assert validate_body({"messages": [{"role": "user", "content": "x"}]}, "chat") is None
