@@ -63,9 +63,10 @@ class PullClient:
         self._session = session
         self._layout = layout
         self._timeout = pull_timeout_s
-        # The prefiller starts no batch after this budget, so a late push cannot land in
-        # blocks that vLLM has already given back after our timeout.
-        self._budget_ms = int(max(0.5, pull_timeout_s - min(5.0, 0.2 * pull_timeout_s)) * 1000)
+        # The prefiller refuses a pull, and starts no push batch, after this budget (sent as an
+        # absolute deadline), so a late push cannot land in blocks vLLM gave back after our
+        # timeout; the margin covers the last batch in flight and clock differences.
+        self._budget_s = max(0.5, pull_timeout_s - min(5.0, 0.2 * pull_timeout_s))
         self._msg_ids = itertools.count(1)
         self._lock = threading.Lock()
         self._done: set[str] = set()
@@ -126,6 +127,7 @@ class PullClient:
         if sock is None:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IMMEDIATE, 1)
             sock.connect(peer)
             self._sockets[peer] = sock
             self._spawn(self._read_replies(peer, sock))
@@ -145,7 +147,7 @@ class PullClient:
                 block_len=self._layout.block_len,
                 block_stride=self._layout.block_stride,
                 num_blocks=self._layout.num_blocks,
-                budget_ms=self._budget_ms,
+                deadline_ms=int((time.time() + self._budget_s) * 1000),
                 items=[PullItem(s.transfer_id, list(s.block_ids)) for s in group],
             )
             pending = self._pending[peer]
@@ -156,14 +158,27 @@ class PullClient:
             self._spawn(self._send(peer, msg))
 
     async def _send(self, peer: str, msg: PullRequest) -> None:
+        # With IMMEDIATE the socket only takes a message once connected; giving up here
+        # cancels it, so a pull is never delivered after the decoder stopped waiting.
         try:
-            await self._socket(peer).send(encode(msg))
+            await asyncio.wait_for(self._socket(peer).send(encode(msg)), self._budget_s)
+        except asyncio.TimeoutError:
+            self._fail_message(
+                peer, msg.msg_id, f"side channel {peer} not reachable within {self._budget_s:g}s"
+            )
         except zmq.ZMQError as exc:
             self._fail_message(peer, msg.msg_id, f"send to {peer} failed: {exc}")
 
     async def _read_replies(self, peer: str, sock: zmq.asyncio.Socket) -> None:
         while True:
-            data = await sock.recv()
+            try:
+                data = await sock.recv()
+            except zmq.ZMQError as exc:
+                # Pending pulls to this peer then end by their own timeouts.
+                logger.error("side channel to %s broke: %s", peer, exc)
+                self._sockets.pop(peer, None)
+                sock.close(linger=0)
+                return
             try:
                 reply = decode_reply(data)
             except WireError as exc:

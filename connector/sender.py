@@ -57,19 +57,31 @@ class PushHandler:
         self._lock = threading.Lock()
         self.stats = PushStats()
 
-    def serve(self, req: PullRequest, received_at: float) -> Iterator[PullReply]:
-        deadline = received_at + req.budget_ms / 1000.0
+    def serve(self, req: PullRequest) -> Iterator[PullReply]:
+        # Wall clock: the deadline is the decoder's; hosts are expected to run NTP.
+        deadline = req.deadline_ms / 1000.0
         remote = RegionLayout(
             tuple(req.region_bases), req.block_len, req.block_stride, req.num_blocks
         )
         for item in req.items:
             tid = item.transfer_id
+            late_s = time.time() - deadline
             try:
-                wait = min(self._ready_timeout_s, max(0.0, deadline - time.monotonic()))
+                wait = min(self._ready_timeout_s, max(0.0, -late_s))
                 local_ids = self._registry.claim(tid, wait)
             except ClaimError as exc:
                 logger.warning("pull %s from %s refused: %s", tid, req.decoder_engine_id, exc)
                 yield PullReply(req.msg_id, tid, ok=False, error=str(exc))
+                continue
+            if late_s > 0:
+                # The decoder has given up on this pull; nobody will ask again: free now.
+                self._registry.finish(tid, Outcome.FAILED)
+                msg = (
+                    f"pull for {tid} arrived {late_s:.3f}s after the decoder's deadline "
+                    "(a delayed message, or clocks out of sync)"
+                )
+                logger.error(msg)
+                yield PullReply(req.msg_id, tid, ok=False, error=msg)
                 continue
             if not item.block_ids:
                 self._registry.finish(tid, Outcome.RELEASED)
@@ -92,8 +104,8 @@ class PushHandler:
             src_ids = align_to_remote(local_ids, len(remote_ids))
             plan = build_transfer_plan(src_ids, remote_ids, self._local, remote)
             for src, dst, lengths in plan.batches(self._max_segments):
-                if time.monotonic() > deadline:
-                    raise TimeoutError("decoder's pull budget ran out before the push finished")
+                if time.time() > deadline:
+                    raise TimeoutError("the decoder's deadline passed before the push finished")
                 self._write(req.decoder_session, src, dst, lengths)
         except (ValueError, TransferError, TimeoutError) as exc:
             self._registry.finish(tid, Outcome.FAILED)
@@ -156,9 +168,9 @@ class SideChannelServer:
             if not self._stop.is_set():
                 self._replies_out.send_multipart([ident, encode(reply)])
 
-    def _serve(self, ident: bytes, req: PullRequest, received_at: float) -> None:
+    def _serve(self, ident: bytes, req: PullRequest) -> None:
         try:
-            for reply in self._handler.serve(req, received_at):
+            for reply in self._handler.serve(req):
                 self._reply(ident, reply)
         except Exception as exc:  # never let one pull kill the pool thread silently
             logger.exception("pull %d failed unexpectedly", req.msg_id)
@@ -186,7 +198,6 @@ class SideChannelServer:
 
     def _on_message(self, frames: list[bytes]) -> None:
         ident, payload = frames[0], frames[-1]
-        received_at = time.monotonic()
         try:
             if len(frames) < 2:
                 raise WireError("empty message")
@@ -199,7 +210,7 @@ class SideChannelServer:
             )
             return
         try:
-            self._pool.submit(self._serve, ident, req, received_at)
+            self._pool.submit(self._serve, ident, req)
         except RuntimeError:  # pool already shut down
             return
 

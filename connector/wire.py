@@ -30,8 +30,9 @@ class PullRequest(msgspec.Struct, frozen=True, tag="pull"):
     block_len: int
     block_stride: int
     num_blocks: int
-    # How long the decoder will wait; the prefiller starts no push batch after this.
-    budget_ms: int
+    # Unix time (ms, decoder's clock) after which the decoder has given up: the prefiller
+    # refuses the pull and starts no push batch after it (the blocks may be reused by then).
+    deadline_ms: int
     items: list[PullItem]
 
 

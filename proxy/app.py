@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -18,6 +19,8 @@ from proxy.metrics import ProxyMetrics
 from proxy.rewrite import validate_body
 from proxy.settings import ProxySettings
 from proxy.upstream import Upstream
+
+logger = logging.getLogger("proxy.app")
 
 
 def _request_id(request: Request) -> str:
@@ -45,6 +48,15 @@ def create_app(settings: ProxySettings) -> FastAPI:
     async def _proxy_error(request: Request, exc: ProxyError) -> JSONResponse:
         return JSONResponse(
             exc.body, status_code=exc.status, headers={"x-request-id": _request_id(request)}
+        )
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("request %s failed unexpectedly", _request_id(request))
+        return JSONResponse(
+            error_body(500, f"proxy internal error: {type(exc).__name__}"),
+            status_code=500,
+            headers={"x-request-id": _request_id(request)},
         )
 
     @app.exception_handler(StarletteHTTPException)

@@ -26,6 +26,8 @@ class ProxySettings:
     timeouts: Timeouts = field(default_factory=Timeouts)
     max_connections: int = 1024
     log_level: str = "info"
+    # Before listening, wait up to this long for every instance's /health (0: don't wait).
+    wait_backends_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.prefill or not self.decode:
@@ -64,6 +66,13 @@ def parse_args(argv: list[str] | None = None) -> ProxySettings:
         "--max-connections", type=int, default=1024, help="upstream connection pool size per proxy"
     )
     ap.add_argument("--log-level", default="info")
+    ap.add_argument(
+        "--wait-backends",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="before listening, wait until every instance answers /health; exit 1 if not",
+    )
     a = ap.parse_args(argv)
     try:
         return ProxySettings(
@@ -76,6 +85,7 @@ def parse_args(argv: list[str] | None = None) -> ProxySettings:
             ),
             max_connections=a.max_connections,
             log_level=a.log_level,
+            wait_backends_s=a.wait_backends,
         )
     except ValueError as exc:
         ap.error(str(exc))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import socket
 import sys
 import tempfile
 import time
@@ -44,7 +45,7 @@ def main() -> int:
     for name in ("port", "prefill_port", "decode_port", "side_channel_port"):
         port = getattr(args, name)
         try:
-            with __import__("socket").create_server(("127.0.0.1", port)):
+            with socket.create_server(("127.0.0.1", port)):
                 pass
         except OSError:
             new = free_port()

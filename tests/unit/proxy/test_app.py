@@ -210,3 +210,39 @@ def test_round_robin_over_instances():
             for _ in range(4):
                 httpx.post(url + "/v1/completions", json={"model": "m", "prompt": "x"})
     assert [len(f.received) for f in (*ps, *ds)] == [2, 2, 2, 2]
+
+
+async def test_wait_for_backends_returns_only_when_ready(backends):
+    from proxy.readiness import wait_for_backends
+
+    _, _, p_url, d_url = backends
+    assert await wait_for_backends([p_url, d_url], timeout_s=5, poll_s=0.1) == []
+    closed = f"http://127.0.0.1:{free_port()}"
+    assert await wait_for_backends([p_url, closed], timeout_s=0.5, poll_s=0.1) == [closed]
+
+
+def test_proxy_exits_when_backends_never_come(tmp_path):
+    import subprocess
+    import sys
+
+    closed = f"http://127.0.0.1:{free_port()}"
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "proxy",
+            "--prefill",
+            closed,
+            "--decode",
+            closed,
+            "--port",
+            str(free_port()),
+            "--wait-backends",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert r.returncode == 1
+    assert "not ready after 1s" in r.stderr
