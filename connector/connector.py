@@ -18,15 +18,24 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from connector.groups import group_specs
 from connector.log import get_logger
 from connector.scheduler import P2pMetadata, P2pScheduler
 from connector.settings import ConnectorSettings
+from connector.stats import P2pConnectorStats, P2pPromMetrics
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+        PromMetric,
+        PromMetricT,
+    )
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -39,7 +48,7 @@ if TYPE_CHECKING:
 logger = get_logger(__name__)
 
 
-class P2pMooncakeConnector(KVConnectorBase_V1):
+class P2pMooncakeConnector(KVConnectorBase_V1, SupportsHMA):
     _cache_hit_source = CacheHitSource.P2P
 
     def __init__(
@@ -51,7 +60,10 @@ class P2pMooncakeConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         ktc = vllm_config.kv_transfer_config
         assert ktc is not None and ktc.engine_id is not None
+        if kv_cache_config is None:
+            raise ValueError("P2pMooncakeConnector needs vLLM's kv_cache_config")
         settings = ConnectorSettings.load(ktc.kv_connector_extra_config)
+        groups = group_specs(kv_cache_config)
         par = vllm_config.parallel_config
         # Each DP engine gets its own range of side-channel ports, one per TP rank.
         base_port = settings.side_channel_port + par.data_parallel_rank * par.tensor_parallel_size
@@ -64,14 +76,14 @@ class P2pMooncakeConnector(KVConnectorBase_V1):
                 side_channel_port=base_port,
                 can_produce=ktc.is_kv_producer,
                 can_consume=ktc.is_kv_consumer,
+                groups=groups,
+                transfer_group_ids=kv_cache_config.transfer_group_ids,
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             from connector.worker import P2pWorker
 
-            if kv_cache_config is None:
-                raise ValueError("P2pMooncakeConnector needs kv_cache_config on the worker")
             tp_rank = get_tensor_model_parallel_rank()
             self._worker = P2pWorker(
                 settings,
@@ -81,6 +93,7 @@ class P2pMooncakeConnector(KVConnectorBase_V1):
                 side_channel_port=base_port + tp_rank,
                 can_produce=ktc.is_kv_producer,
                 can_consume=ktc.is_kv_consumer,
+                groups=groups,
             )
 
     # --- worker side -----------------------------------------------------------------------
@@ -124,6 +137,29 @@ class P2pMooncakeConnector(KVConnectorBase_V1):
         if self._worker is not None:
             self._worker.shutdown()
 
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        # vLLM asks the scheduler-side connector too; only workers record transfers.
+        if self._worker is None:
+            return None
+        data = self._worker.take_stats()
+        return P2pConnectorStats(data=data) if data else None
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KVConnectorStats | None:
+        return P2pConnectorStats(data=data) if data is not None else P2pConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        return P2pPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     # --- scheduler side --------------------------------------------------------------------
 
     def _s(self) -> P2pScheduler:
@@ -143,7 +179,16 @@ class P2pMooncakeConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self._s().build_connector_meta()
 
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        # A transfer restores every transfer group, not only the prefix-cacheable ones.
+        return self._kv_cache_config.transfer_group_ids
+
     def request_finished(
         self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._s().request_finished(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         return self._s().request_finished(request, block_ids)

@@ -14,15 +14,30 @@ from dataclasses import dataclass
 
 import torch
 
+from connector.groups import GroupSpec
 from connector.plan import RegionLayout
+from connector.wire import GroupGeometry
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """One KV cache group's memory: its kind and the regions of its own layers only."""
+
+    kind: str
+    block_size: int
+    layout: RegionLayout
 
 
 @dataclass(frozen=True)
 class KVMemory:
-    layout: RegionLayout
+    groups: tuple[GroupLayout, ...]
     # Disjoint (addr, length) spans covering every region: what the engine registers.
     spans: tuple[tuple[int, int], ...]
     num_layers: int
+
+    @property
+    def num_regions(self) -> int:
+        return sum(len(g.layout.base_addrs) for g in self.groups)
 
 
 def _block_dim(t: torch.Tensor, num_blocks: int, name: str) -> int:
@@ -43,14 +58,15 @@ def _inner_is_contiguous(t: torch.Tensor, d: int) -> bool:
     return True
 
 
-def describe_kv_caches(kv_caches: Mapping[str, torch.Tensor], num_blocks: int) -> KVMemory:
-    """Regions in layer order, deduplicated by base address (shared allocations count once)."""
-    if not kv_caches:
-        raise ValueError("no KV cache tensors to register")
+def describe_regions(
+    kv_caches: Mapping[str, torch.Tensor], layer_names: tuple[str, ...], num_blocks: int
+) -> RegionLayout:
+    """Regions of these layers in layer order, deduplicated by base address."""
     bases: list[int] = []
     seen: set[int] = set()
     block_len = block_stride = -1
-    for name, t in kv_caches.items():
+    for name in layer_names:
+        t = kv_caches[name]
         d = _block_dim(t, num_blocks, name)
         if not _inner_is_contiguous(t, d):
             raise ValueError(f"KV tensor {name}: a block is not contiguous (strides {t.stride()})")
@@ -75,9 +91,35 @@ def describe_kv_caches(kv_caches: Mapping[str, torch.Tensor], num_blocks: int) -
             if base not in seen:
                 seen.add(base)
                 bases.append(base)
-    region_bytes = (num_blocks - 1) * block_stride + block_len
-    layout = RegionLayout(tuple(bases), block_len, block_stride, num_blocks)
-    return KVMemory(layout, merge_spans([(b, region_bytes) for b in bases]), len(kv_caches))
+    return RegionLayout(tuple(bases), block_len, block_stride, num_blocks)
+
+
+def describe_kv_caches(
+    kv_caches: Mapping[str, torch.Tensor],
+    num_blocks: int,
+    groups: tuple[GroupSpec, ...] | None = None,
+) -> KVMemory:
+    """Per-group regions, and the union of all regions to register once.
+
+    Layers of different groups may share one allocation (vLLM's CPU backend does this),
+    so each group's plan uses only its own layers' addresses, while registration covers
+    every distinct byte range exactly once. Without ``groups``, all layers form one group.
+    """
+    if not kv_caches:
+        raise ValueError("no KV cache tensors to register")
+    if groups is None:
+        groups = (GroupSpec("full", 0, tuple(kv_caches)),)
+    missing = [n for g in groups for n in g.layer_names if n not in kv_caches]
+    if missing:
+        raise ValueError(f"KV cache groups name layers with no KV tensor: {missing[:4]}")
+    out = []
+    spans: list[tuple[int, int]] = []
+    for g in groups:
+        layout = describe_regions(kv_caches, g.layer_names, num_blocks)
+        out.append(GroupLayout(g.kind, g.block_size, layout))
+        region_bytes = (num_blocks - 1) * layout.block_stride + layout.block_len
+        spans += [(b, region_bytes) for b in layout.base_addrs]
+    return KVMemory(tuple(out), merge_spans(spans), len(kv_caches))
 
 
 def merge_spans(spans: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
@@ -89,3 +131,28 @@ def merge_spans(spans: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
         else:
             out.append([addr, length])
     return tuple((a, n) for a, n in out)
+
+
+def geometry(group: GroupLayout) -> GroupGeometry:
+    lay = group.layout
+    return GroupGeometry(
+        group.kind,
+        group.block_size,
+        list(lay.base_addrs),
+        lay.block_len,
+        lay.block_stride,
+        lay.num_blocks,
+    )
+
+
+def layout_mismatch(local: tuple[GroupLayout, ...], remote: list[GroupGeometry]) -> str | None:
+    """Why the decoder's KV layout cannot receive ours, or None when it can."""
+
+    def sig(kind: str, bs: int, regions: int, block_len: int) -> str:
+        return f"{kind}/bs{bs}/{regions}x{block_len}B"
+
+    mine = [sig(g.kind, g.block_size, len(g.layout.base_addrs), g.layout.block_len) for g in local]
+    theirs = [sig(g.kind, g.block_size, len(g.region_bases), g.block_len) for g in remote]
+    if mine != theirs:
+        return f"KV cache group layout differs: prefiller {mine}, decoder {theirs}"
+    return None

@@ -59,6 +59,17 @@ class TransferPlan:
     def total_bytes(self) -> int:
         return int(self.lengths.sum())
 
+    @classmethod
+    def concat(cls, plans: list[TransferPlan]) -> TransferPlan:
+        if not plans:
+            empty = np.zeros(0, dtype=_I64)
+            return cls(empty, empty, empty)
+        return cls(
+            np.concatenate([p.src for p in plans]),
+            np.concatenate([p.dst for p in plans]),
+            np.concatenate([p.lengths for p in plans]),
+        )
+
     def batches(self, max_segments: int) -> Iterator[tuple[list[int], list[int], list[int]]]:
         """Yield slices of at most ``max_segments`` segments as Python lists.
 
@@ -149,19 +160,3 @@ def build_transfer_plan(
     dst_addr = dst_base + runs.dst_starts[None, :] * dst.block_stride
     lengths = np.broadcast_to(runs.lengths[None, :] * src.block_len, src_addr.shape)
     return TransferPlan(src_addr.ravel(), dst_addr.ravel(), np.ascontiguousarray(lengths).ravel())
-
-
-def align_to_remote(local_ids: Sequence[int], num_remote: int) -> list[int]:
-    """The local blocks that pair with ``num_remote`` remote blocks.
-
-    A decoder with a prefix-cache hit asks only for the blocks after its prefix, so
-    the prefiller sends the tail of its own list. Asking for more blocks than the
-    prefiller holds is an error, never a silent truncation.
-    """
-    if num_remote > len(local_ids):
-        raise ValueError(
-            f"decoder asked for {num_remote} blocks but only {len(local_ids)} were computed"
-        )
-    if num_remote == 0:
-        return []
-    return list(local_ids[len(local_ids) - num_remote :])

@@ -18,8 +18,9 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
+from connector.layout import GroupLayout, geometry
 from connector.log import get_logger
-from connector.plan import RegionLayout
+from connector.recorder import TransferRecorder
 from connector.wire import (
     PROTOCOL_VERSION,
     PullItem,
@@ -35,20 +36,18 @@ logger = get_logger(__name__)
 
 @dataclass(frozen=True)
 class PullSpec:
-    """One decoder request's pull (empty ``block_ids``: a release, nothing reported back)."""
+    """One decoder request's pull (no block ids: a release, nothing reported back)."""
 
     request_id: str
     transfer_id: str
-    block_ids: list[int]
+    secret: str
+    # Per KV cache group, the decoder's block slots to fill (positional, 0 = skip).
+    block_ids: list[list[int]]
     peer: str  # tcp://host:port of the prefiller worker's side channel
 
-
-@dataclass
-class PullStats:
-    pulls: int = 0
-    failures: int = 0
-    bytes: int = 0
-    seconds: float = 0.0
+    @property
+    def is_release(self) -> bool:
+        return not any(self.block_ids)
 
 
 class PullClient:
@@ -56,13 +55,15 @@ class PullClient:
         self,
         engine_id: str,
         session: str,
-        layout: RegionLayout,
+        groups: tuple[GroupLayout, ...],
         pull_timeout_s: float,
+        recorder: TransferRecorder,
     ) -> None:
         self._engine_id = engine_id
         self._session = session
-        self._layout = layout
+        self._geometry = [geometry(g) for g in groups]
         self._timeout = pull_timeout_s
+        self._rec = recorder
         # The prefiller refuses a pull, and starts no push batch, after this budget (sent as an
         # absolute deadline), so a late push cannot land in blocks vLLM gave back after our
         # timeout; the margin covers the last batch in flight and clock differences.
@@ -71,7 +72,6 @@ class PullClient:
         self._lock = threading.Lock()
         self._done: set[str] = set()
         self._failed: set[str] = set()
-        self.stats = PullStats()
         self._loop = asyncio.new_event_loop()
         self._ctx = zmq.asyncio.Context()
         self._sockets: dict[str, zmq.asyncio.Socket] = {}
@@ -143,12 +143,9 @@ class PullClient:
                 msg_id=next(self._msg_ids),
                 decoder_engine_id=self._engine_id,
                 decoder_session=self._session,
-                region_bases=list(self._layout.base_addrs),
-                block_len=self._layout.block_len,
-                block_stride=self._layout.block_stride,
-                num_blocks=self._layout.num_blocks,
+                groups=self._geometry,
                 deadline_ms=int((time.time() + self._budget_s) * 1000),
-                items=[PullItem(s.transfer_id, list(s.block_ids)) for s in group],
+                items=[PullItem(s.transfer_id, s.secret, s.block_ids) for s in group],
             )
             pending = self._pending[peer]
             for spec in group:
@@ -211,32 +208,27 @@ class PullClient:
                 msg_id, spec.transfer_id, ok=False, error=f"no reply within {self._timeout:g}s"
             )
         elapsed = time.perf_counter() - t0
-        if not spec.block_ids:  # a release: the prefiller frees; nothing to report to vLLM
+        if spec.is_release:  # the prefiller frees; nothing to report to vLLM
             if not reply.ok:
                 logger.warning(
                     "release of %s at %s failed: %s", spec.transfer_id, peer, reply.error
                 )
             return
         with self._lock:
-            if reply.ok:
-                self._done.add(spec.request_id)
-                self.stats.pulls += 1
-                self.stats.bytes += reply.num_bytes
-                self.stats.seconds += elapsed
-            else:
-                self._failed.add(spec.request_id)
-                self.stats.failures += 1
+            (self._done if reply.ok else self._failed).add(spec.request_id)
         if reply.ok:
+            self._rec.pull(elapsed, reply.num_bytes)
             logger.info(
                 "request %s: received %d blocks (%d bytes, %d segments) from %s in %.2f ms",
                 spec.request_id,
-                len(spec.block_ids),
+                sum(1 for g in spec.block_ids for b in g if b),
                 reply.num_bytes,
                 reply.num_segments,
                 peer,
                 elapsed * 1e3,
             )
         else:
+            self._rec.event("pull_failures")
             logger.error("request %s: pull from %s failed: %s", spec.request_id, peer, reply.error)
 
     async def _shutdown(self) -> None:

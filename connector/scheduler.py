@@ -6,12 +6,14 @@ the worker a :class:`P2pMetadata` with the work it decided on.
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 from vllm.v1.request import RequestStatus
 
+from connector.groups import GroupSpec
 from connector.log import get_logger
 
 if TYPE_CHECKING:
@@ -25,17 +27,26 @@ logger = get_logger(__name__)
 class RecvTask:
     request_id: str
     transfer_id: str
-    # Decoder blocks to fill; empty means "release your blocks, I need nothing".
-    block_ids: list[int]
+    secret: str
+    # Per transfer group, decoder block slots to fill (positional, 0 = nothing to fill).
+    # All empty means "release your blocks, I need nothing".
+    block_ids: list[list[int]]
     remote_host: str
     remote_port: int  # the prefiller engine's base port; worker adds its tp_rank
+
+
+@dataclass(frozen=True)
+class SendTask:
+    # Per transfer group, the prefiller's block slots (positional, 0 = out of window).
+    block_ids: list[list[int]]
+    secret: str
 
 
 @dataclass
 class P2pMetadata(KVConnectorMetadata):
     recv: list[RecvTask] = field(default_factory=list)
-    # transfer id -> prefiller block ids held for a decoder
-    send: dict[str, list[int]] = field(default_factory=dict)
+    # transfer id -> blocks held for a decoder
+    send: dict[str, SendTask] = field(default_factory=dict)
     # transfer ids the prefiller finished without holding blocks (aborted, stopped early)
     dropped: list[str] = field(default_factory=list)
 
@@ -45,6 +56,7 @@ class RemotePrefill:
     """Validated ``kv_transfer_params`` of a request whose prompt KV lives on a prefiller."""
 
     transfer_id: str
+    secret: str
     remote_host: str
     remote_port: int
 
@@ -55,11 +67,12 @@ class RemotePrefill:
             params.get("remote_host"),
             params.get("remote_port"),
         )
-        if not (isinstance(tid, str) and tid and isinstance(host, str) and host):
+        secret = params.get("transfer_secret")
+        if not all(isinstance(v, str) and v for v in (tid, host, secret)):
             return None
         if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
             return None
-        return cls(tid, host, port)
+        return cls(tid, secret, host, port)
 
 
 class P2pScheduler:
@@ -70,8 +83,12 @@ class P2pScheduler:
         side_channel_port: int,
         can_produce: bool,
         can_consume: bool,
+        groups: tuple[GroupSpec, ...],
+        transfer_group_ids: tuple[int, ...],
     ) -> None:
         self.engine_id = engine_id
+        self._groups = groups
+        self._transfer_group_ids = transfer_group_ids
         self._host = host
         self._port = side_channel_port
         self._can_produce = can_produce
@@ -108,26 +125,38 @@ class P2pScheduler:
                 params,
             )
             return
-        block_ids: list[int] = []
+        block_ids: list[list[int]] = [[] for _ in self._groups]
         if num_external_tokens > 0:
-            groups = blocks.get_unhashed_block_ids_all_groups()
-            if len(groups) != 1:
-                raise NotImplementedError("hybrid KV cache groups are not supported yet")
-            block_ids = list(groups[0])
+            every_group = blocks.get_block_ids()
+            n_prompt = request.num_prompt_tokens
+            n_local = n_prompt - num_external_tokens  # a local prefix hit, block aligned
+            for i, (gid, spec) in enumerate(
+                zip(self._transfer_group_ids, self._groups, strict=True)
+            ):
+                # Positional slots after the local prefix; sliding-window groups keep their
+                # null (0) slots so both sides stay aligned.
+                first, end = n_local // spec.block_size, -(-n_prompt // spec.block_size)
+                block_ids[i] = list(every_group[gid][first:end])
         self._add_recv(request.request_id, remote, block_ids)
 
-    def _add_recv(self, request_id: str, remote: RemotePrefill, block_ids: list[int]) -> None:
+    def _add_recv(self, request_id: str, remote: RemotePrefill, block_ids: list[list[int]]) -> None:
         self._meta.recv.append(
             RecvTask(
-                request_id, remote.transfer_id, block_ids, remote.remote_host, remote.remote_port
+                request_id,
+                remote.transfer_id,
+                remote.secret,
+                block_ids,
+                remote.remote_host,
+                remote.remote_port,
             )
         )
 
     # --- both sides ------------------------------------------------------------------------
 
     def request_finished(
-        self, request: Request, block_ids: list[int]
+        self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
+        """``block_ids``: per KV cache group (all groups, vLLM's order), positional."""
         params = request.kv_transfer_params
         if not params:
             return False, None
@@ -136,23 +165,24 @@ class P2pScheduler:
             params["do_remote_prefill"] = False
             remote = RemotePrefill.parse(params)
             if remote is not None:
-                self._add_recv(request.request_id, remote, [])
+                self._add_recv(request.request_id, remote, [[] for _ in self._groups])
             return False, None
         if not (self._can_produce and params.get("do_remote_decode")):
             return False, None
-        if request.status != RequestStatus.FINISHED_LENGTH_CAPPED or not block_ids:
+        held = [list(block_ids[gid]) for gid in self._transfer_group_ids]
+        if request.status != RequestStatus.FINISHED_LENGTH_CAPPED or not any(any(g) for g in held):
             # EOS, a stop string or an abort: the proxy gets no params and the decoder
             # computes the prompt itself.
             self.num_not_handed_over += 1
             self._meta.dropped.append(request.request_id)
             logger.warning(
-                "request %s finished as %s with %d blocks: KV not handed over",
+                "request %s finished as %s: KV not handed over",
                 request.request_id,
                 request.status.name,
-                len(block_ids),
             )
             return False, None
-        self._meta.send[request.request_id] = list(block_ids)
+        secret = secrets.token_urlsafe(24)
+        self._meta.send[request.request_id] = SendTask(held, secret)
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -160,7 +190,8 @@ class P2pScheduler:
             "remote_host": self._host,
             "remote_port": self._port,
             "transfer_id": request.request_id,
-            "remote_num_blocks": len(block_ids),
+            "transfer_secret": secret,
+            "remote_num_blocks": [sum(1 for b in g if b) for g in held],
         }
 
     def build_connector_meta(self) -> P2pMetadata:

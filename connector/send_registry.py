@@ -9,6 +9,7 @@ expired (no decoder came). Ended ids are reported once to vLLM through
 from __future__ import annotations
 
 import enum
+import hmac
 import threading
 import time
 from collections import OrderedDict
@@ -30,7 +31,9 @@ class ClaimError(LookupError):
 
 @dataclass
 class _Held:
-    block_ids: list[int]
+    # Per KV cache group, the prefiller's block slots (positional, 0 = not held).
+    block_ids: list[list[int]]
+    secret: str
     added_at: float
     claimed: bool = False
 
@@ -51,13 +54,14 @@ class SendRegistry:
         self._ended: OrderedDict[str, Outcome] = OrderedDict()
         self._remember = remember_ended
         self.counts: dict[Outcome, int] = dict.fromkeys(Outcome, 0)
+        self.refused_secret = 0
         self._closed = False
 
-    def add(self, transfer_id: str, block_ids: list[int]) -> None:
+    def add(self, transfer_id: str, block_ids: list[list[int]], secret: str) -> None:
         with self._cond:
             if transfer_id in self._held or transfer_id in self._ended:
                 return
-            self._held[transfer_id] = _Held(list(block_ids), self._clock())
+            self._held[transfer_id] = _Held([list(g) for g in block_ids], secret, self._clock())
             self._cond.notify_all()
 
     def mark_aborted(self, transfer_id: str) -> None:
@@ -67,10 +71,11 @@ class SendRegistry:
             self.counts[Outcome.ABORTED] += 1
             self._cond.notify_all()
 
-    def claim(self, transfer_id: str, timeout_s: float) -> list[int]:
+    def claim(self, transfer_id: str, timeout_s: float, secret: str) -> list[list[int]]:
         """Take the request for one pull, waiting up to ``timeout_s`` for it to be handed over.
 
-        Raises ClaimError if it never arrives, has already ended, or another pull holds it.
+        Raises ClaimError if it never arrives, has already ended, another pull holds it, or
+        the secret is wrong (then the request stays held for its rightful decoder).
         """
         deadline = self._clock() + timeout_s
         with self._cond:
@@ -79,10 +84,13 @@ class SendRegistry:
                     raise ClaimError("prefiller is shutting down")
                 held = self._held.get(transfer_id)
                 if held is not None:
+                    if not hmac.compare_digest(held.secret.encode(), secret.encode()):
+                        self.refused_secret += 1
+                        raise ClaimError(f"wrong secret for transfer {transfer_id}")
                     if held.claimed:
                         raise ClaimError(f"transfer {transfer_id} is already being sent")
                     held.claimed = True
-                    return list(held.block_ids)
+                    return [list(g) for g in held.block_ids]
                 ended = self._ended.get(transfer_id)
                 if ended is not None:
                     raise ClaimError(f"transfer {transfer_id} already ended ({ended.value})")

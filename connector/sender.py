@@ -11,121 +11,131 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import zmq
 
+from connector.groups import pair_blocks
+from connector.layout import GroupLayout, layout_mismatch
 from connector.log import get_logger
-from connector.plan import RegionLayout, align_to_remote, build_transfer_plan
+from connector.plan import RegionLayout, TransferPlan, build_transfer_plan
+from connector.recorder import TransferRecorder
 from connector.send_registry import ClaimError, Outcome, SendRegistry
 from connector.transport import TransferError
-from connector.wire import PullReply, PullRequest, WireError, decode_pull, encode
+from connector.wire import GroupGeometry, PullReply, PullRequest, WireError, decode_pull, encode
 
 logger = get_logger(__name__)
 
 WriteFn = Callable[[str, list[int], list[int], list[int]], None]
 
 
-@dataclass
-class PushStats:
-    """Counters since start; read by the connector's stats and logs."""
-
-    transfers: int = 0
-    failures: int = 0
-    bytes: int = 0
-    segments: int = 0
-    blocks: int = 0
-    seconds: float = 0.0
+def plan_item(
+    local_ids: list[list[int]],
+    remote_ids: list[list[int]],
+    local: tuple[GroupLayout, ...],
+    remote: list[GroupGeometry],
+) -> tuple[TransferPlan, int]:
+    """One request's segments over all groups, each within its own group's layers."""
+    if len(local_ids) != len(local) or len(remote_ids) != len(local):
+        raise ValueError(
+            f"block ids for {len(remote_ids)} groups from the decoder, {len(local_ids)} held, "
+            f"{len(local)} expected"
+        )
+    plans, blocks = [], 0
+    for g, (mine, theirs) in enumerate(zip(local_ids, remote_ids, strict=True)):
+        src, dst = pair_blocks(mine, theirs)
+        r = remote[g]
+        dst_layout = RegionLayout(tuple(r.region_bases), r.block_len, r.block_stride, r.num_blocks)
+        plans.append(build_transfer_plan(src, dst, local[g].layout, dst_layout))
+        blocks += len(src)
+    return TransferPlan.concat(plans), blocks
 
 
 class PushHandler:
-    """Serve one decoded pull: claim, plan, push, finish. No sockets here."""
+    """Serve one decoded pull: claim, check, plan, push, finish. No sockets here."""
 
     def __init__(
         self,
         registry: SendRegistry,
-        local: RegionLayout,
+        groups: tuple[GroupLayout, ...],
         write: WriteFn,
         ready_timeout_s: float,
         max_segments_per_batch: int,
+        recorder: TransferRecorder,
     ) -> None:
         self._registry = registry
-        self._local = local
+        self._groups = groups
         self._write = write
         self._ready_timeout_s = ready_timeout_s
         self._max_segments = max_segments_per_batch
-        self._lock = threading.Lock()
-        self.stats = PushStats()
+        self._rec = recorder
+
+    def _refuse(self, req: PullRequest, tid: str, error: str) -> PullReply:
+        self._rec.event("refused")
+        logger.warning("pull %s from %s refused: %s", tid, req.decoder_engine_id, error)
+        return PullReply(req.msg_id, tid, ok=False, error=error)
 
     def serve(self, req: PullRequest) -> Iterator[PullReply]:
         # Wall clock: the deadline is the decoder's; hosts are expected to run NTP.
         deadline = req.deadline_ms / 1000.0
-        remote = RegionLayout(
-            tuple(req.region_bases), req.block_len, req.block_stride, req.num_blocks
-        )
+        mismatch = layout_mismatch(self._groups, req.groups)
         for item in req.items:
             tid = item.transfer_id
             late_s = time.time() - deadline
             try:
                 wait = min(self._ready_timeout_s, max(0.0, -late_s))
-                local_ids = self._registry.claim(tid, wait)
+                local_ids = self._registry.claim(tid, wait, item.secret)
             except ClaimError as exc:
-                logger.warning("pull %s from %s refused: %s", tid, req.decoder_engine_id, exc)
-                yield PullReply(req.msg_id, tid, ok=False, error=str(exc))
+                yield self._refuse(req, tid, str(exc))
                 continue
+            # From here the caller proved it holds this request's secret: any refusal ends
+            # the request (frees its blocks), since its decoder will not ask again.
             if late_s > 0:
-                # The decoder has given up on this pull; nobody will ask again: free now.
                 self._registry.finish(tid, Outcome.FAILED)
-                msg = (
+                yield self._refuse(
+                    req,
+                    tid,
                     f"pull for {tid} arrived {late_s:.3f}s after the decoder's deadline "
-                    "(a delayed message, or clocks out of sync)"
+                    "(a delayed message, or clocks out of sync)",
                 )
-                logger.error(msg)
-                yield PullReply(req.msg_id, tid, ok=False, error=msg)
                 continue
-            if not item.block_ids:
+            if item.is_release:
                 self._registry.finish(tid, Outcome.RELEASED)
                 logger.debug("transfer %s released by decoder (nothing to send)", tid)
                 yield PullReply(req.msg_id, tid, ok=True)
                 continue
-            yield self._push(req, tid, local_ids, item.block_ids, remote, deadline)
+            if mismatch:
+                self._registry.finish(tid, Outcome.FAILED)
+                yield self._refuse(req, tid, mismatch)
+                continue
+            yield self._push(req, tid, local_ids, item.block_ids, deadline)
 
     def _push(
         self,
         req: PullRequest,
         tid: str,
-        local_ids: list[int],
-        remote_ids: list[int],
-        remote: RegionLayout,
+        local_ids: list[list[int]],
+        remote_ids: list[list[int]],
         deadline: float,
     ) -> PullReply:
         t0 = time.perf_counter()
         try:
-            src_ids = align_to_remote(local_ids, len(remote_ids))
-            plan = build_transfer_plan(src_ids, remote_ids, self._local, remote)
+            plan, n_blocks = plan_item(local_ids, remote_ids, self._groups, req.groups)
             for src, dst, lengths in plan.batches(self._max_segments):
                 if time.time() > deadline:
                     raise TimeoutError("the decoder's deadline passed before the push finished")
                 self._write(req.decoder_session, src, dst, lengths)
         except (ValueError, TransferError, TimeoutError) as exc:
             self._registry.finish(tid, Outcome.FAILED)
-            with self._lock:
-                self.stats.failures += 1
+            self._rec.event("push_failures")
             logger.error("transfer %s to %s failed: %s", tid, req.decoder_session, exc)
             return PullReply(req.msg_id, tid, ok=False, error=str(exc))
         elapsed = time.perf_counter() - t0
         self._registry.finish(tid, Outcome.SENT)
-        with self._lock:
-            s = self.stats
-            s.transfers += 1
-            s.bytes += plan.total_bytes
-            s.segments += len(plan)
-            s.blocks += len(remote_ids)
-            s.seconds += elapsed
+        self._rec.push(elapsed, plan.total_bytes, n_blocks, len(plan))
         logger.info(
             "transfer %s: pushed %d blocks as %d segments, %d bytes in %.2f ms to %s",
             tid,
-            len(remote_ids),
+            n_blocks,
             len(plan),
             plan.total_bytes,
             elapsed * 1e3,

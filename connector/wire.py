@@ -4,19 +4,39 @@ The decoder sends one :class:`PullRequest` per prefiller per engine step (many
 requests share it); the prefiller answers each item with its own :class:`PullReply`
 as soon as that item's blocks are pushed, so a slow request never holds up others.
 An item with no block ids is a release: the decoder needs nothing (prefix hit, or
-the request was aborted) and the prefiller frees its blocks at once.
+the request was aborted) and the prefiller frees its blocks at once. Every item carries
+the per-request secret the prefiller issued in its ``kv_transfer_params``: only the
+holder of that answer (the proxy, then the decoder) can pull or release that request.
 """
 
 from __future__ import annotations
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 class PullItem(msgspec.Struct, frozen=True):
     transfer_id: str
-    block_ids: list[int]
+    secret: str
+    # Per KV cache group, the decoder's block slots to fill (positional, 0 = skip).
+    # All lists empty: a release.
+    block_ids: list[list[int]]
+
+    @property
+    def is_release(self) -> bool:
+        return not any(self.block_ids)
+
+
+class GroupGeometry(msgspec.Struct, frozen=True):
+    """The decoder's memory for one KV cache group (see layout.GroupLayout)."""
+
+    kind: str
+    block_size: int
+    region_bases: list[int]
+    block_len: int
+    block_stride: int
+    num_blocks: int
 
 
 class PullRequest(msgspec.Struct, frozen=True, tag="pull"):
@@ -25,11 +45,7 @@ class PullRequest(msgspec.Struct, frozen=True, tag="pull"):
     decoder_engine_id: str
     # "host:rpc_port" of the decoder's transfer engine: where the prefiller writes.
     decoder_session: str
-    # Decoder KV regions, in the same order as the prefiller's (see plan.RegionLayout).
-    region_bases: list[int]
-    block_len: int
-    block_stride: int
-    num_blocks: int
+    groups: list[GroupGeometry]
     # Unix time (ms, decoder's clock) after which the decoder has given up: the prefiller
     # refuses the pull and starts no push batch after it (the blocks may be reused by then).
     deadline_ms: int

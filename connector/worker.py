@@ -7,13 +7,16 @@ An instance with ``kv_both`` does both. Everything started here is stopped by
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Mapping
 
 import torch
 
+from connector.groups import GroupSpec
 from connector.layout import KVMemory, describe_kv_caches
 from connector.log import get_logger
 from connector.receiver import PullClient, PullSpec
+from connector.recorder import TransferRecorder
 from connector.scheduler import P2pMetadata
 from connector.send_registry import Outcome, SendRegistry
 from connector.sender import PushHandler, SideChannelServer
@@ -33,8 +36,10 @@ class P2pWorker:
         side_channel_port: int,
         can_produce: bool,
         can_consume: bool,
+        groups: tuple[GroupSpec, ...] | None = None,
     ) -> None:
         self._settings = settings
+        self._groups = groups
         self._engine_id = engine_id
         self._num_blocks = num_blocks
         self._tp_rank = tp_rank
@@ -42,50 +47,68 @@ class P2pWorker:
         self._can_produce = can_produce
         self._can_consume = can_consume
         self._host = settings.advertised_host()
+        if _is_loopback(self._host):
+            logger.warning(
+                "advertising %s: only peers on this host can reach it; set the connector's "
+                "'host' (or PD_KV_HOST) to an address the other instance can reach",
+                self._host,
+            )
         self.transport = MooncakeTransport(self._host, settings.protocol, settings.device_name)
         self.memory: KVMemory | None = None
         self.registry = SendRegistry(settings.expiry_s)
+        self.recorder = TransferRecorder()
         self._server: SideChannelServer | None = None
-        self._handler: PushHandler | None = None
         self._client: PullClient | None = None
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
-        self.memory = describe_kv_caches(kv_caches, self._num_blocks)
-        layout = self.memory.layout
+        self.memory = describe_kv_caches(kv_caches, self._num_blocks, self._groups)
         self.transport.register(self.memory.spans)
+        for g in self.memory.groups:
+            lay = g.layout
+            logger.info(
+                "registered KV group %s: %d regions (%d blocks of %d B, stride %d B)",
+                g.kind,
+                len(lay.base_addrs),
+                lay.num_blocks,
+                lay.block_len,
+                lay.block_stride,
+            )
         logger.info(
-            "registered %d KV regions of %d layers (%d blocks of %d B, stride %d B) as %d spans",
-            len(layout.base_addrs),
+            "registered %d KV regions of %d layers in %d groups as %d spans",
+            self.memory.num_regions,
             self.memory.num_layers,
-            layout.num_blocks,
-            layout.block_len,
-            layout.block_stride,
+            len(self.memory.groups),
             len(self.memory.spans),
         )
         if self._can_produce:
-            self._handler = PushHandler(
+            handler = PushHandler(
                 self.registry,
-                layout,
+                self.memory.groups,
                 self.transport.write,
                 self._settings.ready_timeout_s,
                 self._settings.max_segments_per_batch,
+                self.recorder,
             )
             self._server = SideChannelServer(
                 self._settings.side_channel_bind_host(),
                 self._side_channel_port,
-                self._handler,
+                handler,
                 self._settings.sender_threads,
             )
             self._server.start()
         if self._can_consume:
             self._client = PullClient(
-                self._engine_id, self.transport.session, layout, self._settings.pull_timeout_s
+                self._engine_id,
+                self.transport.session,
+                self.memory.groups,
+                self._settings.pull_timeout_s,
+                self.recorder,
             )
             self._client.start()
 
     def start_load_kv(self, meta: P2pMetadata) -> None:
-        for tid, block_ids in meta.send.items():
-            self.registry.add(tid, block_ids)
+        for tid, task in meta.send.items():
+            self.registry.add(tid, task.block_ids, task.secret)
         for tid in meta.dropped:
             self.registry.mark_aborted(tid)
         if meta.recv:
@@ -96,6 +119,7 @@ class P2pWorker:
                     PullSpec(
                         t.request_id,
                         t.transfer_id,
+                        t.secret,
                         t.block_ids,
                         f"tcp://{t.remote_host}:{t.remote_port + self._tp_rank}",
                     )
@@ -107,6 +131,7 @@ class P2pWorker:
         """(finished sending, finished receiving, failed receiving)."""
         expired = self.registry.expire()
         if expired:
+            self.recorder.event("expired", len(expired))
             logger.warning(
                 "freed %d held requests that no decoder asked for within %gs (total %d): %s",
                 len(expired),
@@ -121,6 +146,9 @@ class P2pWorker:
             recving, failed = self._client.take_results()
         return sending, recving, failed
 
+    def take_stats(self) -> dict[str, list[float]] | None:
+        return self.recorder.take()
+
     def has_held_requests(self) -> bool:
         return self.registry.num_held() > 0
 
@@ -133,3 +161,13 @@ class P2pWorker:
             self._client.close()
             self._client = None
         self.transport.close()
+
+
+def _is_loopback(host: str) -> bool:
+    """Without a DNS lookup: an IP literal on loopback, or 'localhost'."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

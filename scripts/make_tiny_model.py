@@ -76,6 +76,14 @@ def build_model(out: Path, args: argparse.Namespace, vocab_size: int) -> None:
         tie_word_embeddings=False,
         torch_dtype="bfloat16",
     )
+    if args.layer_types:
+        # A hybrid model: vLLM's llama reads layer_types and sliding_window and puts the
+        # sliding and full attention layers in separate KV cache groups.
+        kinds = [f"{k}_attention" for k in args.layer_types.split(",")]
+        if len(kinds) != args.layers:
+            raise SystemExit(f"--layer-types needs {args.layers} entries, got {len(kinds)}")
+        cfg.layer_types = kinds
+        cfg.sliding_window = args.sliding_window
     model = LlamaForCausalLM(cfg).to(torch.bfloat16)
     # Wider weights than the default init so greedy outputs vary across prompts.
     with torch.no_grad():
@@ -95,6 +103,12 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=1024)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--layer-types",
+        default="",
+        help="comma-separated sliding|full per layer, e.g. sliding,full (a hybrid model)",
+    )
+    ap.add_argument("--sliding-window", type=int, default=64)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     build_tokenizer(args.out, args.vocab)

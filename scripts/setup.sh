@@ -63,6 +63,14 @@ if [ ! -f "$MODEL_DIR/config.json" ]; then
   log "making tiny model in $MODEL_DIR"
   "$VENV/bin/python" scripts/make_tiny_model.py --out "$MODEL_DIR"
 fi
+# A hybrid variant (sliding-window + full attention layers) for the HMA tests.
+HYBRID_DIR=${HYBRID_DIR:-$root/models/tiny-hybrid}
+if [ ! -f "$HYBRID_DIR/config.json" ]; then
+  log "making tiny hybrid model in $HYBRID_DIR"
+  "$VENV/bin/python" scripts/make_tiny_model.py --out "$HYBRID_DIR" --layers 4 \
+    --layer-types sliding,full,sliding,full --sliding-window 64
+fi
+
 # 4. The Compose Specification's JSON schema, for validating docker-compose.yml in the tests.
 # It ships inside the Compose v1 wheel on PyPI; only that one file is extracted.
 schema="$root/.cache/compose-spec/compose_spec.json"

@@ -75,37 +75,41 @@ def answer_ids(resp: dict[str, Any]) -> list[int]:
     return list(ids)
 
 
-_references: dict[int, dict[str, list[int]]] = {}
+_references: dict[tuple[str, int], dict[str, list[int]]] = {}
 
 
-def reference(block_size: int, log_dir: Path) -> dict[str, list[int]]:
-    """Greedy answers of one colocated instance (same block size), computed once."""
-    if block_size in _references:
-        return _references[block_size]
+def reference(
+    block_size: int,
+    log_dir: Path,
+    model_dir: Path = MODEL_DIR,
+    cases: dict[str, tuple[str, dict[str, Any]]] | None = None,
+) -> dict[str, list[int]]:
+    """Greedy answers of one colocated instance (no connector), computed once per model and
+    block size. ``cases``: name -> (path, body); default: the completion and chat cases."""
+    key = (str(model_dir), block_size)
+    if key in _references:
+        return _references[key]
+    if cases is None:
+        cases = {n: ("/v1/completions", b) for n, b in completion_cases(block_size).items()}
+        cases |= {n: ("/v1/chat/completions", b) for n, b in chat_cases().items()}
     port = free_port()
     child = vllm_child(
-        f"colocated-bs{block_size}",
+        f"colocated-{model_dir.name}-bs{block_size}",
         "colocated",
         port,
         log_dir,
         core=0,
         block_size=block_size,
-        model_dir=MODEL_DIR,
+        model_dir=model_dir,
     )
     out: dict[str, list[int]] = {}
     with Lab([child]) as lab:
         lab.start_all(timeout_s=300)
         with httpx.Client(base_url=child.url, timeout=120) as c:
             model = c.get("/v1/models").json()["data"][0]["id"]
-            for name, body in completion_cases(block_size).items():
-                out[name] = answer_ids(
-                    c.post("/v1/completions", json={"model": model, **body}).json()
-                )
-            for name, body in chat_cases().items():
-                out[name] = answer_ids(
-                    c.post("/v1/chat/completions", json={"model": model, **body}).json()
-                )
-    _references[block_size] = out
+            for name, (path, body) in cases.items():
+                out[name] = answer_ids(c.post(path, json={"model": model, **body}).json())
+    _references[key] = out
     return out
 
 

@@ -210,7 +210,7 @@ def test_concurrent_requests_match(stack: Stack):
 def test_longest_prompt_transfer_size_and_time(stack: Stack, record_property):
     """The prefiller's log shows the push; its bytes match the layout it registered."""
     log = (stack.log_dir / "prefill.log").read_text()
-    m = re.search(r"registered (\d+) KV regions of \d+ layers \((\d+) blocks of (\d+) B", log)
+    m = re.search(r"registered KV group full: (\d+) regions \((\d+) blocks of (\d+) B", log)
     assert m, "prefiller did not log its KV registration"
     regions, block_len = int(m.group(1)), int(m.group(3))
     pushed = re.search(

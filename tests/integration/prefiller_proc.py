@@ -1,7 +1,7 @@
 """A prefiller worker in its own process for integration tests (real engine, real socket).
 
 Reads JSON commands on stdin, answers JSON lines on stdout:
-  {"cmd": "hold", "transfer_id": ..., "block_ids": [...]}   hand blocks over, as vLLM would
+  {"cmd": "hold", "transfer_id": ..., "block_ids": [...], "secret": ...}   as vLLM would
   {"cmd": "drop", "transfer_id": ...}                       the request ended without KV
   {"cmd": "results"}                                        what vLLM's step would collect
   {"cmd": "quit"}
@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import sys
 
-from connector.scheduler import P2pMetadata
+from connector.scheduler import P2pMetadata, SendTask
 from connector.settings import ConnectorSettings
 from connector.worker import P2pWorker
 from tests.integration.kvbuf import make_caches
@@ -43,7 +43,8 @@ def main() -> None:
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["cmd"] == "hold":
-            worker.start_load_kv(P2pMetadata(send={cmd["transfer_id"]: cmd["block_ids"]}))
+            task = SendTask([cmd["block_ids"]], cmd.get("secret", "k"))
+            worker.start_load_kv(P2pMetadata(send={cmd["transfer_id"]: task}))
             say({"ok": True})
         elif cmd["cmd"] == "drop":
             worker.start_load_kv(P2pMetadata(dropped=[cmd["transfer_id"]]))
@@ -57,6 +58,7 @@ def main() -> None:
                     "counts": counts,
                     "held": worker.registry.num_held(),
                     "malformed": worker._server.malformed,
+                    "refused_secret": worker.registry.refused_secret,
                 }
             )
         elif cmd["cmd"] == "quit":

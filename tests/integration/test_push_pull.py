@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from connector.scheduler import P2pMetadata, RecvTask
 from connector.settings import ConnectorSettings
@@ -80,10 +82,17 @@ def decoder():
 
 
 def pull(
-    decoder, port: int, request_id: str, transfer_id: str, dst: list[int], timeout: float = 15
+    decoder,
+    port: int,
+    request_id: str,
+    transfer_id: str,
+    dst: list[int],
+    timeout: float = 15,
+    secret: str = "k",
 ):
     w, _, _ = decoder
-    w.start_load_kv(P2pMetadata(recv=[RecvTask(request_id, transfer_id, dst, "127.0.0.1", port)]))
+    task = RecvTask(request_id, transfer_id, secret, [dst], "127.0.0.1", port)
+    w.start_load_kv(P2pMetadata(recv=[task]))
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         _, done, failed = w.get_transfer_results()
@@ -109,6 +118,14 @@ def assert_copied(prefiller, decoder, src: list[int], dst: list[int]) -> None:
         for b in untouched:
             assert not any(block_bytes(caches, layer, b))
     buf.zero_()
+
+
+def test_null_block_is_never_read_or_written(prefiller, decoder):
+    """Block 0 is vLLM's shared null block: pairs with it on either side are skipped."""
+    prefiller.call(cmd="hold", transfer_id="t-null", block_ids=[0, 5, 6, 7])
+    assert pull(decoder, prefiller.port, "r-null", "t-null", [9, 10, 0, 11])
+    # (0 -> 9) and (6 -> 0) are skipped: decoder blocks 9 and 0 stay untouched.
+    assert_copied(prefiller, decoder, [5, 7], [10, 11])
 
 
 def test_non_contiguous_blocks_arrive_byte_exact(prefiller, decoder):
@@ -148,7 +165,8 @@ def test_duplicate_pull_is_refused_and_freed_once(prefiller, decoder):
 def test_release_frees_without_transfer(prefiller, decoder):
     prefiller.call(cmd="hold", transfer_id="t-rel", block_ids=[30, 31])
     w = decoder[0]
-    w.start_load_kv(P2pMetadata(recv=[RecvTask("r-rel", "t-rel", [], "127.0.0.1", prefiller.port)]))
+    task = RecvTask("r-rel", "t-rel", "k", [[]], "127.0.0.1", prefiller.port)
+    w.start_load_kv(P2pMetadata(recv=[task]))
     deadline = time.monotonic() + 10
     freed: list[str] = []
     while time.monotonic() < deadline and "t-rel" not in freed:
@@ -180,9 +198,9 @@ def test_malformed_messages_get_error_replies_and_channel_survives(prefiller, de
     finally:
         sock.close()
     assert prefiller.call(cmd="results")["malformed"] >= 3
-    prefiller.call(cmd="hold", transfer_id="t-after", block_ids=[0])
+    prefiller.call(cmd="hold", transfer_id="t-after", block_ids=[1])
     assert pull(decoder, prefiller.port, "r-after", "t-after", [63])
-    assert_copied(prefiller, decoder, [0], [63])
+    assert_copied(prefiller, decoder, [1], [63])
 
 
 def encode_reply_as_pull() -> bytes:
@@ -233,7 +251,7 @@ def test_large_transfer_is_split_under_the_segment_cap(decoder):
     """More segments than one batch may carry: split into several engine calls."""
     p = Prefiller(max_segments_per_batch=8)
     try:
-        src = list(range(0, 40, 2))  # 20 non-contiguous blocks x 3 layers = 60 segments
+        src = list(range(2, 42, 2))  # 20 non-contiguous blocks x 3 layers = 60 segments
         dst = list(range(1, 41, 2))
         p.call(cmd="hold", transfer_id="t-big", block_ids=src)
         assert pull(decoder, p.port, "r-big", "t-big", dst)
@@ -244,22 +262,19 @@ def test_large_transfer_is_split_under_the_segment_cap(decoder):
 
 def test_pull_arriving_after_its_deadline_is_refused_and_freed(prefiller, decoder):
     """A pull delivered late (the decoder already gave up) must never write, and frees at once."""
+    from connector.layout import geometry
     from connector.wire import PROTOCOL_VERSION, PullItem, PullRequest
 
     w, _, caches = decoder
-    layout = w.memory.layout
     prefiller.call(cmd="hold", transfer_id="t-late", block_ids=[5, 6])
     late = PullRequest(
         version=PROTOCOL_VERSION,
         msg_id=99,
         decoder_engine_id="decode-test",
         decoder_session=w.transport.session,
-        region_bases=list(layout.base_addrs),
-        block_len=layout.block_len,
-        block_stride=layout.block_stride,
-        num_blocks=layout.num_blocks,
+        groups=[geometry(g) for g in w.memory.groups],
         deadline_ms=int((time.time() - 1) * 1000),
-        items=[PullItem("t-late", [1, 2])],
+        items=[PullItem("t-late", "k", [[1, 2]])],
     )
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -274,3 +289,59 @@ def test_pull_arriving_after_its_deadline_is_refused_and_freed(prefiller, decode
     assert "after the decoder's deadline" in reply.error
     assert not any(any(block_bytes(caches, layer, b)) for layer in range(3) for b in (1, 2))
     assert "t-late" in prefiller.call(cmd="results")["finished_sending"]
+
+
+def test_wrong_secret_cannot_pull_or_release_and_owner_still_can(prefiller, decoder):
+    prefiller.call(cmd="hold", transfer_id="t-sec", block_ids=[7, 8], secret="owner-secret")
+    assert pull(decoder, prefiller.port, "r-thief", "t-sec", [20, 21], secret="guess") is False
+    w = decoder[0]
+    thief_release = RecvTask("r-thief2", "t-sec", "", [[]], "127.0.0.1", prefiller.port)
+    w.start_load_kv(P2pMetadata(recv=[thief_release]))
+    time.sleep(0.5)
+    res = prefiller.call(cmd="results")
+    assert "t-sec" not in res["finished_sending"] and res["refused_secret"] >= 2
+    assert_copied(prefiller, decoder, [], [])  # nothing written for the thief
+    assert pull(decoder, prefiller.port, "r-owner", "t-sec", [20, 21], secret="owner-secret")
+    assert_copied(prefiller, decoder, [7, 8], [20, 21])
+
+
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(frames=st.lists(st.binary(max_size=300), min_size=1, max_size=3))
+def test_side_channel_survives_fuzzed_frames(prefiller, frames):
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 5000)
+    sock.connect(f"tcp://127.0.0.1:{prefiller.port}")
+    try:
+        sock.send_multipart(frames)
+        reply = decode_reply(sock.recv())  # every message gets an answer
+        assert reply.ok is False
+    finally:
+        sock.close()
+
+
+def test_side_channel_still_serves_after_fuzzing(prefiller, decoder):
+    prefiller.call(cmd="hold", transfer_id="t-post-fuzz", block_ids=[33])
+    assert pull(decoder, prefiller.port, "r-post-fuzz", "t-post-fuzz", [44])
+    assert_copied(prefiller, decoder, [33], [44])
+
+
+async def test_router_release_frees_held_blocks_at_once(prefiller):
+    from connector.release import release_remote
+
+    prefiller.call(cmd="hold", transfer_id="t-router", block_ids=[12, 13], secret="s")
+    params = {
+        "remote_host": "127.0.0.1",
+        "remote_port": prefiller.port,
+        "transfer_id": "t-router",
+        "transfer_secret": "wrong",
+    }
+    assert "wrong secret" in await release_remote(params, timeout_s=5)
+    assert await release_remote({**params, "transfer_secret": "s"}, timeout_s=5) is None
+    assert "t-router" in prefiller.call(cmd="results")["finished_sending"]
+    assert "already ended" in await release_remote({**params, "transfer_secret": "s"})
+    dead = {**params, "remote_port": free_port()}
+    assert "within 0.5s" in await release_remote(dead, timeout_s=0.5)
+    assert "incomplete" in await release_remote({"remote_host": "127.0.0.1"})

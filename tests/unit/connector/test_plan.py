@@ -5,7 +5,7 @@ from hypothesis import strategies as st
 
 from connector.plan import (
     RegionLayout,
-    align_to_remote,
+    TransferPlan,
     build_transfer_plan,
     contiguous_runs,
 )
@@ -106,12 +106,13 @@ def test_strided_blocks_are_never_merged():
     assert set(plan.lengths.tolist()) == {100}
 
 
-def test_partial_prefix_takes_the_tail():
-    assert align_to_remote([4, 5, 6, 7], 2) == [6, 7]
-    assert align_to_remote([4, 5, 6, 7], 4) == [4, 5, 6, 7]
-    assert align_to_remote([4, 5], 0) == []
-    with pytest.raises(ValueError, match="asked for 3 blocks but only 2"):
-        align_to_remote([4, 5], 3)
+def test_concat_plans():
+    a = build_transfer_plan([1], [2], PACKED_SRC, PACKED_DST)
+    b = build_transfer_plan([5, 6], [7, 8], PACKED_SRC, PACKED_DST)
+    both = TransferPlan.concat([a, b])
+    assert both.src.tolist() == a.src.tolist() + b.src.tolist()
+    assert both.total_bytes == a.total_bytes + b.total_bytes
+    assert len(TransferPlan.concat([])) == 0
 
 
 def test_batches_stay_under_cap_and_cover_everything():

@@ -5,7 +5,8 @@ from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.request import Request, RequestStatus
 
-from connector.scheduler import P2pMetadata, P2pScheduler
+from connector.groups import GroupSpec
+from connector.scheduler import P2pMetadata, P2pScheduler, SendTask
 
 REMOTE = {
     "do_remote_prefill": True,
@@ -14,7 +15,10 @@ REMOTE = {
     "remote_host": "127.0.0.1",
     "remote_port": 17100,
     "transfer_id": "cmpl-abc-0",
+    "transfer_secret": "s3cret",
 }
+ONE_GROUP = (GroupSpec("full", 32, ("l0", "l1")),)
+HYBRID = (GroupSpec("sliding:64", 32, ("l0", "l2")), GroupSpec("full", 32, ("l1", "l3")))
 
 
 def request(rid: str, n_prompt: int, params: dict | None) -> Request:
@@ -22,30 +26,36 @@ def request(rid: str, n_prompt: int, params: dict | None) -> Request:
     return Request(rid, list(range(1, n_prompt + 1)), sp, None)
 
 
-def blocks(*ids: int, hashed: int = 0) -> KVCacheBlocks:
+def group(ids, hashed: int = 0) -> list[KVCacheBlock]:
     out = []
     for i, b in enumerate(ids):
-        blk = KVCacheBlock(b)
-        if i < hashed:
+        blk = KVCacheBlock(b, is_null=b == 0)
+        if i < hashed and b:
             blk._block_hash = b"h" + bytes([i])  # type: ignore[assignment]
         out.append(blk)
-    return KVCacheBlocks((out,))
+    return out
 
 
-def producer() -> P2pScheduler:
-    return P2pScheduler("P", "127.0.0.1", 17100, can_produce=True, can_consume=False)
+def blocks(*ids: int, hashed: int = 0) -> KVCacheBlocks:
+    return KVCacheBlocks((group(ids, hashed),))
 
 
-def consumer() -> P2pScheduler:
-    return P2pScheduler("D", "127.0.0.1", 17100, can_produce=False, can_consume=True)
+def producer(groups=ONE_GROUP) -> P2pScheduler:
+    return P2pScheduler("P", "127.0.0.1", 17100, True, False, groups, tuple(range(len(groups))))
+
+
+def consumer(groups=ONE_GROUP) -> P2pScheduler:
+    return P2pScheduler("D", "127.0.0.1", 17100, False, True, groups, tuple(range(len(groups))))
 
 
 def test_prefiller_holds_blocks_and_returns_handle():
     s = producer()
     req = request("p1", 70, {"do_remote_decode": True, "do_remote_prefill": False})
     req.status = RequestStatus.FINISHED_LENGTH_CAPPED
-    delay, params = s.request_finished(req, [4, 5, 6])
+    delay, params = s.request_finished(req, ([4, 5, 6],))
     assert delay is True
+    secret = params.pop("transfer_secret")
+    assert len(secret) >= 24
     assert params == {
         "do_remote_prefill": True,
         "do_remote_decode": False,
@@ -53,10 +63,10 @@ def test_prefiller_holds_blocks_and_returns_handle():
         "remote_host": "127.0.0.1",
         "remote_port": 17100,
         "transfer_id": "p1",
-        "remote_num_blocks": 3,
+        "remote_num_blocks": [3],
     }
     meta = s.build_connector_meta()
-    assert meta.send == {"p1": [4, 5, 6]}
+    assert meta.send == {"p1": SendTask([[4, 5, 6]], secret)}
     assert s.build_connector_meta() == P2pMetadata()  # drained
 
 
@@ -64,7 +74,7 @@ def test_prefill_that_stopped_early_hands_nothing_over():
     s = producer()
     req = request("p2", 10, {"do_remote_decode": True})
     req.status = RequestStatus.FINISHED_STOPPED  # e.g. its one token was EOS
-    assert s.request_finished(req, [1]) == (False, None)
+    assert s.request_finished(req, ([1],)) == (False, None)
     assert s.build_connector_meta().dropped == ["p2"]
     assert s.num_not_handed_over == 1
 
@@ -73,7 +83,7 @@ def test_plain_request_is_untouched():
     s = producer()
     req = request("p3", 10, None)
     req.status = RequestStatus.FINISHED_LENGTH_CAPPED
-    assert s.request_finished(req, [1]) == (False, None)
+    assert s.request_finished(req, ([1],)) == (False, None)
     assert s.build_connector_meta() == P2pMetadata()
 
 
@@ -92,7 +102,8 @@ def test_decoder_records_only_unhashed_blocks_and_pulls_once():
     meta = s.build_connector_meta()
     assert len(meta.recv) == 1
     task = meta.recv[0]
-    assert task.block_ids == [10, 11]
+    assert task.block_ids == [[10, 11]]
+    assert task.secret == "s3cret"
     assert (task.transfer_id, task.remote_host, task.remote_port) == (
         "cmpl-abc-0",
         "127.0.0.1",
@@ -109,21 +120,21 @@ def test_full_local_hit_still_releases_prefiller():
     req = request("d3", 64, dict(REMOTE))
     s.update_state_after_alloc(req, blocks(1, 2, hashed=2), num_external_tokens=0)
     (task,) = s.build_connector_meta().recv
-    assert task.block_ids == []
+    assert task.block_ids == [[]]
 
 
 def test_abort_before_allocation_releases_prefiller():
     s = consumer()
     req = request("d4", 64, dict(REMOTE))
     req.status = RequestStatus.FINISHED_ABORTED
-    assert s.request_finished(req, []) == (False, None)
+    assert s.request_finished(req, ([],)) == (False, None)
     (task,) = s.build_connector_meta().recv
-    assert task.block_ids == [] and task.transfer_id == "cmpl-abc-0"
+    assert task.block_ids == [[]] and task.transfer_id == "cmpl-abc-0"
     # finished after allocation: nothing more to do
     req2 = request("d5", 64, dict(REMOTE))
     s.update_state_after_alloc(req2, blocks(3), 64)
     s.build_connector_meta()
-    assert s.request_finished(req2, [3]) == (False, None)
+    assert s.request_finished(req2, ([3],)) == (False, None)
     assert s.build_connector_meta().recv == []
 
 
@@ -135,6 +146,7 @@ def test_incomplete_params_compute_locally():
         {**REMOTE, "remote_port": 0},
         {**REMOTE, "transfer_id": ""},
         {**REMOTE, "remote_host": None},
+        {k: v for k, v in REMOTE.items() if k != "transfer_secret"},
     ):
         req = request("bad", 40, bad)
         assert s.get_num_new_matched_tokens(req, 0) == (0, False)
@@ -146,3 +158,34 @@ def test_producer_ignores_remote_prefill_params():
     s = producer()
     req = request("x", 40, dict(REMOTE))
     assert s.get_num_new_matched_tokens(req, 0) == (0, False)
+
+
+def test_hybrid_prefiller_holds_every_group_with_null_slots():
+    s = producer(HYBRID)
+    req = request("h1", 200, {"do_remote_decode": True})
+    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    # 200 tokens = 7 slots; the sliding group's out-of-window slots are the null block 0.
+    sliding, full = [0, 0, 0, 0, 21, 22, 23], [1, 2, 3, 4, 5, 6, 7]
+    delay, params = s.request_finished(req, (sliding, full))
+    assert delay and params["remote_num_blocks"] == [3, 7]
+    assert s.build_connector_meta().send["h1"].block_ids == [sliding, full]
+
+
+def test_hybrid_decoder_asks_positionally_after_its_local_prefix():
+    s = consumer(HYBRID)
+    req = request("h2", 200, dict(REMOTE))
+    # A local hit of 64 tokens (2 slots): the decoder needs slots 2..6 of each group, nulls kept.
+    kv = KVCacheBlocks(
+        (group([0, 31, 0, 0, 34, 35, 36], hashed=2), group([40, 41, 42, 43, 44, 45, 46], hashed=2))
+    )
+    s.update_state_after_alloc(req, kv, num_external_tokens=200 - 64)
+    (task,) = s.build_connector_meta().recv
+    assert task.block_ids == [[0, 0, 34, 35, 36], [42, 43, 44, 45, 46]]
+
+
+def test_only_transfer_groups_are_used():
+    s = P2pScheduler("P", "h", 1, True, False, ONE_GROUP, (1,))  # group 0 does not transfer
+    req = request("t", 40, {"do_remote_decode": True})
+    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    assert s.request_finished(req, ([9, 9], [4, 5]))[0]
+    assert s.build_connector_meta().send["t"].block_ids == [[4, 5]]

@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 from connector.wire import (
     PROTOCOL_VERSION,
+    GroupGeometry,
     PullItem,
     PullReply,
     PullRequest,
@@ -23,12 +24,12 @@ def make_pull(**kw) -> PullRequest:
         msg_id=7,
         decoder_engine_id="dec-1",
         decoder_session="127.0.0.1:15001",
-        region_bases=[4096, 8192],
-        block_len=512,
-        block_stride=512,
-        num_blocks=100,
+        groups=[
+            GroupGeometry("sliding:64", 32, [4096, 8192], 512, 512, 100),
+            GroupGeometry("full", 32, [4096, 8192], 512, 512, 100),
+        ],
         deadline_ms=1_900_000_000_000,
-        items=[PullItem("t-1", [3, 4, 5]), PullItem("t-2", [])],
+        items=[PullItem("t-1", "s3cret", [[0, 4, 5], [3, 4, 5]]), PullItem("t-2", "x", [[], []])],
     )
     base.update(kw)
     return PullRequest(**base)
@@ -37,6 +38,7 @@ def make_pull(**kw) -> PullRequest:
 def test_pull_round_trip():
     msg = make_pull()
     assert decode_pull(encode(msg)) == msg
+    assert [i.is_release for i in msg.items] == [False, True]
 
 
 def test_reply_round_trip():
