@@ -72,7 +72,9 @@ def test_dead_prefiller_recompute_and_fail(lab):
             )
             handles[policy] = r.json()["kv_transfer_params"]
             assert handles[policy]["transfer_secret"]
-        os.kill(p.pid, signal.SIGKILL)
+        # The whole instance dies at once (API server, engine core, workers), as on a crash;
+        # killing only the API server would leave the engine core serving KV.
+        os.killpg(p.pid, signal.SIGKILL)
         p.proc.wait(10)
 
         d = decoders["recompute"]
