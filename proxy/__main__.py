@@ -1,16 +1,29 @@
-"""``python -m proxy --prefill URL --decode URL --port N``"""
+"""``python -m proxy --prefill URL --decode URL --port N`` (or ``--config configs/proxy.yaml``)"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import sys
 
-import uvicorn
-
-from proxy.app import create_app
+from proxy.app import Proxy
 from proxy.readiness import wait_for_backends
-from proxy.settings import parse_args
+from proxy.settings import ProxySettings, parse_args
+
+
+async def serve(settings: ProxySettings) -> None:
+    proxy = Proxy(settings)
+    await proxy.start(settings.host, settings.port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+        logging.getLogger("proxy").info("signal received: graceful shutdown")
+    finally:
+        await proxy.stop()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -21,19 +34,19 @@ def main(argv: list[str] | None = None) -> None:
     )
     if settings.wait_backends_s > 0:
         missing = asyncio.run(
-            wait_for_backends((*settings.prefill, *settings.decode), settings.wait_backends_s)
+            wait_for_backends(
+                (*settings.prefill_urls, *settings.decode_urls), settings.wait_backends_s
+            )
         )
         if missing:
             logging.error("not ready after %gs: %s", settings.wait_backends_s, ", ".join(missing))
             sys.exit(1)
-    uvicorn.run(
-        create_app(settings),
-        host=settings.host,
-        port=settings.port,
-        log_level=settings.log_level,
-        access_log=False,
-        timeout_graceful_shutdown=30,
-    )
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency; plain asyncio works too
+        asyncio.run(serve(settings))
+    else:
+        uvloop.run(serve(settings))
 
 
 if __name__ == "__main__":

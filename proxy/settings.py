@@ -1,9 +1,21 @@
-"""The proxy's settings: one typed object, built from the command line."""
+"""The proxy's settings: one typed object, built from the command line and a config file.
+
+Precedence: command line > config file (YAML or TOML, ``--config``) > defaults. Secrets
+(API keys) may also come from the environment so they never need to sit in a file:
+``PD_PROXY_API_KEYS`` (comma separated), ``PD_PROXY_ADMIN_KEY``, ``PD_PROXY_BACKEND_KEY``.
+"""
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field
+import os
+import tomllib
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+POLICIES = ("round_robin", "least_loaded", "power_of_two", "prefix")
+BACKEND_AUTH = ("passthrough", "key", "none")
 
 
 @dataclass(frozen=True)
@@ -11,16 +23,49 @@ class Timeouts:
     connect_s: float = 5.0
     # The whole prefill leg; long prompts on slow prefillers need minutes.
     prefill_s: float = 300.0
-    # Decode leg: until the response headers (non-streaming: the whole answer).
+    # Decode leg: until its first body byte (non-streaming: the whole answer).
     decode_s: float = 600.0
     # Streaming: longest silence between two chunks from the decoder.
     idle_s: float = 120.0
 
 
 @dataclass(frozen=True)
+class InstanceSpec:
+    url: str
+    weight: float = 1.0
+    # The prefiller's KV side channel (host:port), informational: the connector advertises
+    # the address it really uses in kv_transfer_params.
+    side_channel: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"instance URL must start with http:// or https://: {self.url!r}")
+        if not self.weight > 0:
+            raise ValueError(f"instance weight must be > 0: {self.url} weight={self.weight}")
+        object.__setattr__(self, "url", self.url.rstrip("/"))
+
+
+@dataclass(frozen=True)
+class HealthSettings:
+    interval_s: float = 5.0
+    timeout_s: float = 3.0
+    # Consecutive failed checks before an instance is marked down, successes before up.
+    fall: int = 2
+    rise: int = 1
+
+
+@dataclass(frozen=True)
+class BreakerSettings:
+    # Consecutive failed requests that open the breaker; how long it stays open before
+    # one trial request (half-open) may pass.
+    failures: int = 3
+    open_s: float = 10.0
+
+
+@dataclass(frozen=True)
 class ProxySettings:
-    prefill: tuple[str, ...]
-    decode: tuple[str, ...]
+    prefill: tuple[str | InstanceSpec, ...] = ()
+    decode: tuple[str | InstanceSpec, ...] = ()
     host: str = "127.0.0.1"
     port: int = 8000
     timeouts: Timeouts = field(default_factory=Timeouts)
@@ -28,13 +73,112 @@ class ProxySettings:
     log_level: str = "info"
     # Before listening, wait up to this long for every instance's /health (0: don't wait).
     wait_backends_s: float = 0.0
+    prefill_policy: str = "least_loaded"
+    decode_policy: str = "least_loaded"
+    # Prefix affinity: characters (or token ids) of the prompt that form the key, and the
+    # load bound (an instance takes at most ceil(factor * average load)).
+    prefix_chars: int = 256
+    prefix_load_factor: float = 1.25
+    # Extra attempts on other instances (0 = no retry).
+    prefill_retries: int = 1
+    decode_retries: int = 1
+    # Prompts estimated shorter than this many tokens skip prefill (0: never).
+    min_prefill_tokens: int = 0
+    # Prompt length estimate for text (no tokenizer in the proxy): characters per token.
+    chars_per_token: float = 4.0
+    api_keys: tuple[str, ...] = ()
+    admin_key: str | None = None
+    backend_auth: str = "passthrough"
+    backend_key: str | None = None
+    health: HealthSettings = field(default_factory=HealthSettings)
+    breaker: BreakerSettings = field(default_factory=BreakerSettings)
+    # Graceful shutdown: how long streams in flight may still run after SIGTERM.
+    shutdown_grace_s: float = 30.0
+    # Freeing a prefiller's held blocks when a request dies between the legs.
+    release_timeout_s: float = 5.0
+    # Allow starting with no instance (they come later through the admin API).
+    allow_empty: bool = False
 
     def __post_init__(self) -> None:
-        if not self.prefill or not self.decode:
+        specs = {
+            role: tuple(
+                s if isinstance(s, InstanceSpec) else InstanceSpec(str(s))
+                for s in getattr(self, role)
+            )
+            for role in ("prefill", "decode")
+        }
+        object.__setattr__(self, "prefill", specs["prefill"])
+        object.__setattr__(self, "decode", specs["decode"])
+        if not self.allow_empty and (not self.prefill or not self.decode):
             raise ValueError("at least one --prefill and one --decode URL are required")
-        for url in (*self.prefill, *self.decode):
-            if not url.startswith(("http://", "https://")):
-                raise ValueError(f"instance URL must start with http:// or https://: {url!r}")
+        for name in ("prefill_policy", "decode_policy"):
+            if getattr(self, name) not in POLICIES:
+                raise ValueError(f"{name} must be one of {', '.join(POLICIES)}")
+        if self.backend_auth not in BACKEND_AUTH:
+            raise ValueError(f"backend_auth must be one of {', '.join(BACKEND_AUTH)}")
+        if self.backend_auth == "key" and not self.backend_key:
+            raise ValueError("backend_auth=key needs a backend key (PD_PROXY_BACKEND_KEY)")
+
+    @property
+    def prefill_urls(self) -> tuple[str, ...]:
+        return tuple(s.url for s in self.prefill)  # type: ignore[union-attr]
+
+    @property
+    def decode_urls(self) -> tuple[str, ...]:
+        return tuple(s.url for s in self.decode)  # type: ignore[union-attr]
+
+
+def _instances(items: Any, role: str) -> tuple[InstanceSpec, ...]:
+    if items is None:
+        return ()
+    if not isinstance(items, list):
+        raise ValueError(f"config: '{role}' must be a list of URLs or tables")
+    out = []
+    for it in items:
+        if isinstance(it, str):
+            out.append(InstanceSpec(it))
+        elif isinstance(it, dict):
+            out.append(
+                InstanceSpec(
+                    str(it["url"]),
+                    float(it.get("weight", 1.0)),
+                    it.get("side_channel"),
+                )
+            )
+        else:
+            raise ValueError(f"config: bad {role} entry {it!r}")
+    return tuple(out)
+
+
+def load_config(path: str | Path) -> dict[str, Any]:
+    """A config file (``.yaml``/``.yml`` or ``.toml``) as ProxySettings keyword arguments."""
+    p = Path(path)
+    text = p.read_text()
+    if p.suffix in (".yaml", ".yml"):
+        import yaml
+
+        raw = yaml.safe_load(text) or {}
+    elif p.suffix == ".toml":
+        raw = tomllib.loads(text)
+    else:
+        raise ValueError(f"config file must be .yaml, .yml or .toml: {p}")
+    if not isinstance(raw, dict):
+        raise ValueError(f"config file {p} must hold a mapping")
+    known = {f.name for f in fields(ProxySettings)}
+    unknown = set(raw) - known
+    if unknown:
+        raise ValueError(f"config file {p}: unknown keys {sorted(unknown)}")
+    out: dict[str, Any] = dict(raw)
+    out["prefill"] = _instances(raw.get("prefill"), "prefill")
+    out["decode"] = _instances(raw.get("decode"), "decode")
+    for key, cls in (("timeouts", Timeouts), ("health", HealthSettings)):
+        if key in raw:
+            out[key] = cls(**raw[key])
+    if "breaker" in raw:
+        out["breaker"] = BreakerSettings(**raw["breaker"])
+    if "api_keys" in raw:
+        out["api_keys"] = tuple(raw["api_keys"])
+    return out
 
 
 def parse_args(argv: list[str] | None = None) -> ProxySettings:
@@ -42,51 +186,107 @@ def parse_args(argv: list[str] | None = None) -> ProxySettings:
         prog="python -m proxy",
         description="OpenAI-compatible proxy for disaggregated prefill/decode vLLM instances.",
     )
+    ap.add_argument("--config", metavar="FILE", help="YAML or TOML settings (see configs/)")
     ap.add_argument(
         "--prefill",
         action="append",
-        required=True,
-        metavar="URL",
+        metavar="URL[,weight=W]",
         help="base URL of a prefill vLLM instance (repeatable)",
     )
     ap.add_argument(
         "--decode",
         action="append",
-        required=True,
-        metavar="URL",
+        metavar="URL[,weight=W]",
         help="base URL of a decode vLLM instance (repeatable)",
     )
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--connect-timeout", type=float, default=Timeouts.connect_s)
-    ap.add_argument("--prefill-timeout", type=float, default=Timeouts.prefill_s)
-    ap.add_argument("--decode-timeout", type=float, default=Timeouts.decode_s)
-    ap.add_argument("--idle-timeout", type=float, default=Timeouts.idle_s)
+    ap.add_argument("--host")
+    ap.add_argument("--port", type=int)
+    ap.add_argument("--connect-timeout", type=float)
+    ap.add_argument("--prefill-timeout", type=float, help="whole prefill leg (300 s)")
     ap.add_argument(
-        "--max-connections", type=int, default=1024, help="upstream connection pool size per proxy"
+        "--decode-timeout", type=float, help="decode leg to its first byte, or whole answer"
     )
-    ap.add_argument("--log-level", default="info")
+    ap.add_argument("--idle-timeout", type=float, help="longest silence inside a stream")
+    ap.add_argument("--max-connections", type=int, help="upstream connections per instance")
+    ap.add_argument("--log-level")
     ap.add_argument(
         "--wait-backends",
         type=float,
-        default=0.0,
         metavar="SECONDS",
         help="before listening, wait until every instance answers /health; exit 1 if not",
     )
+    ap.add_argument("--prefill-policy", choices=POLICIES)
+    ap.add_argument("--decode-policy", choices=POLICIES)
+    ap.add_argument("--prefill-retries", type=int)
+    ap.add_argument("--decode-retries", type=int)
+    ap.add_argument(
+        "--min-prefill-tokens",
+        type=int,
+        help="prompts estimated shorter than this go to the decoder alone",
+    )
+    ap.add_argument(
+        "--api-key", action="append", help="accepted client key (repeatable; or PD_PROXY_API_KEYS)"
+    )
+    ap.add_argument("--backend-auth", choices=BACKEND_AUTH)
+    ap.add_argument("--health-interval", type=float)
+    ap.add_argument("--shutdown-grace", type=float)
+    ap.add_argument("--allow-empty", action="store_true", default=None)
     a = ap.parse_args(argv)
     try:
-        return ProxySettings(
-            prefill=tuple(u.rstrip("/") for u in a.prefill),
-            decode=tuple(u.rstrip("/") for u in a.decode),
-            host=a.host,
-            port=a.port,
-            timeouts=Timeouts(
-                a.connect_timeout, a.prefill_timeout, a.decode_timeout, a.idle_timeout
-            ),
-            max_connections=a.max_connections,
-            log_level=a.log_level,
-            wait_backends_s=a.wait_backends,
-        )
-    except ValueError as exc:
+        kw: dict[str, Any] = load_config(a.config) if a.config else {}
+        if a.prefill:
+            kw["prefill"] = tuple(_cli_instance(s) for s in a.prefill)
+        if a.decode:
+            kw["decode"] = tuple(_cli_instance(s) for s in a.decode)
+        simple = {
+            "host": a.host,
+            "port": a.port,
+            "max_connections": a.max_connections,
+            "log_level": a.log_level,
+            "wait_backends_s": a.wait_backends,
+            "prefill_policy": a.prefill_policy,
+            "decode_policy": a.decode_policy,
+            "prefill_retries": a.prefill_retries,
+            "decode_retries": a.decode_retries,
+            "min_prefill_tokens": a.min_prefill_tokens,
+            "backend_auth": a.backend_auth,
+            "shutdown_grace_s": a.shutdown_grace,
+            "allow_empty": a.allow_empty,
+        }
+        kw.update({k: v for k, v in simple.items() if v is not None})
+        t = kw.get("timeouts", Timeouts())
+        t_over = {
+            "connect_s": a.connect_timeout,
+            "prefill_s": a.prefill_timeout,
+            "decode_s": a.decode_timeout,
+            "idle_s": a.idle_timeout,
+        }
+        kw["timeouts"] = replace(t, **{k: v for k, v in t_over.items() if v is not None})
+        if a.health_interval is not None:
+            kw["health"] = replace(kw.get("health", HealthSettings()), interval_s=a.health_interval)
+        env_keys = [k for k in os.environ.get("PD_PROXY_API_KEYS", "").split(",") if k.strip()]
+        keys = [*kw.get("api_keys", ()), *(a.api_key or ()), *env_keys]
+        kw["api_keys"] = tuple(k.strip() for k in keys)
+        if os.environ.get("PD_PROXY_ADMIN_KEY"):
+            kw["admin_key"] = os.environ["PD_PROXY_ADMIN_KEY"]
+        if os.environ.get("PD_PROXY_BACKEND_KEY"):
+            kw["backend_key"] = os.environ["PD_PROXY_BACKEND_KEY"]
+        return ProxySettings(**kw)
+    except (ValueError, TypeError, KeyError, OSError) as exc:
         ap.error(str(exc))
         raise  # unreachable: ap.error exits
+
+
+def _cli_instance(text: str) -> InstanceSpec:
+    """``URL`` or ``URL,weight=2,side_channel=host:port``."""
+    url, *opts = text.split(",")
+    kw: dict[str, Any] = {}
+    for o in opts:
+        k, _, v = o.partition("=")
+        if k == "weight":
+            kw["weight"] = float(v)
+        elif k == "side_channel":
+            kw["side_channel"] = v
+        else:
+            raise ValueError(f"unknown instance option {k!r} in {text!r}")
+    return InstanceSpec(url, **kw)

@@ -7,7 +7,11 @@ Not a model: it echoes what it was asked and records every request it received. 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import socket
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 from starlette.applications import Starlette
@@ -21,14 +25,25 @@ class FakeVllm:
         self.name = name
         self.received: list[dict[str, Any]] = []
         self.behavior: dict[str, Any] = {}
+        # Requests whose client went away before the answer was complete (what vLLM aborts).
+        self.cancelled: list[str] = []
+        self.health_status = 200
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.kv_port = int(probe.getsockname()[1])
+        self.health_calls = 0
         self.app = Starlette(
             routes=[
                 Route("/v1/completions", self._complete, methods=["POST"]),
                 Route("/v1/chat/completions", self._complete, methods=["POST"]),
                 Route("/v1/models", self._models),
-                Route("/health", lambda r: Response()),
+                Route("/health", self._health),
             ]
         )
+
+    async def _health(self, request: Request) -> Response:
+        self.health_calls += 1
+        return Response(status_code=self.health_status)
 
     async def _models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
@@ -50,8 +65,15 @@ class FakeVllm:
                 },
                 status_code=b["status"],
             )
+        rid = request.headers.get("x-request-id", "")
         if "sleep" in b:
-            await asyncio.sleep(b["sleep"])
+            # Poll for the client hanging up, as vLLM does, and record the abort.
+            deadline = asyncio.get_running_loop().time() + b["sleep"]
+            while asyncio.get_running_loop().time() < deadline:
+                if await request.is_disconnected():
+                    self.cancelled.append(rid)
+                    return Response(status_code=499)
+                await asyncio.sleep(0.02)
         is_prefill = bool((body.get("kv_transfer_params") or {}).get("do_remote_decode"))
         kv = None
         if is_prefill and not b.get("no_kv_params"):
@@ -59,11 +81,13 @@ class FakeVllm:
                 "do_remote_prefill": True,
                 "transfer_id": f"{self.name}-t",
                 "remote_host": "127.0.0.1",
-                "remote_port": 17100,
+                # A closed loopback port unless a test points it somewhere.
+                "remote_port": b.get("kv_port", self.kv_port),
+                "transfer_secret": "fake-secret",
             }
         text = f"{self.name}:{body.get('max_tokens')}"
         if body.get("stream"):
-            return StreamingResponse(self._sse(text, b), media_type="text/event-stream")
+            return StreamingResponse(self._sse(text, b, rid), media_type="text/event-stream")
         return JSONResponse(
             {
                 "id": "cmpl-1",
@@ -74,10 +98,45 @@ class FakeVllm:
             }
         )
 
-    async def _sse(self, text: str, b: dict[str, Any]):
-        for i in range(b.get("chunks", 3)):
-            if b.get("hang_after") == i:
-                await asyncio.sleep(3600)
-            chunk = {"choices": [{"index": 0, "text": f"{text}#{i}"}]}
-            yield f"data: {json.dumps(chunk)}\n\n".encode()
-        yield b"data: [DONE]\n\n"
+    async def _sse(self, text: str, b: dict[str, Any], rid: str = ""):
+        try:
+            for i in range(b.get("chunks", 3)):
+                if b.get("hang_after") == i:
+                    await asyncio.sleep(3600)
+                if b.get("chunk_delay"):
+                    await asyncio.sleep(b["chunk_delay"])
+                chunk = {"choices": [{"index": 0, "text": f"{text}#{i}"}]}
+                yield f"data: {json.dumps(chunk)}\n\n".encode()
+            yield b"data: [DONE]\n\n"
+        except (asyncio.CancelledError, GeneratorExit):
+            self.cancelled.append(rid)
+            raise
+
+
+@contextlib.contextmanager
+def fake_dead_socket() -> Iterator[str]:
+    """FAKE backend that accepts TCP connections and closes them at once, unanswered."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(64)
+    srv.settimeout(0.2)
+    stop = threading.Event()
+
+    def run() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = srv.accept()
+            except (TimeoutError, OSError):
+                continue
+            with contextlib.suppress(OSError):
+                conn.recv(65536)
+            conn.close()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    try:
+        yield f"http://127.0.0.1:{srv.getsockname()[1]}"
+    finally:
+        stop.set()
+        t.join(5)
+        srv.close()

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 
 import httpx
 import pytest
 
-from proxy.app import create_app
 from proxy.settings import ProxySettings, Timeouts
 from tests.fake_vllm import FakeVllm
 from tests.servers import free_port, serve
+from tests.unit.proxy.helpers import serve_proxy
 
 
 @pytest.fixture
@@ -20,11 +21,16 @@ def backends():
         yield p, d, p_url, d_url
 
 
+@contextmanager
 def proxy_for(p_url: str, d_url: str, **timeouts: float):
     settings = ProxySettings(
-        prefill=(p_url,), decode=(d_url,), timeouts=Timeouts(**{"connect_s": 2.0, **timeouts})
+        prefill=(p_url,),
+        decode=(d_url,),
+        timeouts=Timeouts(**{"connect_s": 2.0, **timeouts}),
+        release_timeout_s=0.5,
     )
-    return serve(create_app(settings))
+    with serve_proxy(settings) as running:
+        yield running.url
 
 
 def prom_value(text: str, name: str) -> float:
@@ -205,10 +211,15 @@ def test_round_robin_over_instances():
         serve(ds[0].app) as d0,
         serve(ds[1].app) as d1,
     ):
-        settings = ProxySettings(prefill=(p0, p1), decode=(d0, d1))
-        with serve(create_app(settings)) as url:
+        settings = ProxySettings(
+            prefill=(p0, p1),
+            decode=(d0, d1),
+            prefill_policy="round_robin",
+            decode_policy="round_robin",
+        )
+        with serve_proxy(settings) as running:
             for _ in range(4):
-                httpx.post(url + "/v1/completions", json={"model": "m", "prompt": "x"})
+                httpx.post(running.url + "/v1/completions", json={"model": "m", "prompt": "x"})
     assert [len(f.received) for f in (*ps, *ds)] == [2, 2, 2, 2]
 
 

@@ -98,3 +98,51 @@ def test_validation(body, endpoint, reason):
 def test_valid_bodies():
     assert validate_body({"prompt": [1, 2]}, "completions") is None
     assert validate_body({"messages": [{"role": "user", "content": "x"}]}, "chat") is None
+
+
+# -- protocol fidelity: n > 1, echo, logprobs, best_of ---------------------------------
+
+from proxy.rewrite import check_fidelity, estimate_prompt_tokens, prefix_key  # noqa: E402
+
+
+@pytest.mark.parametrize(
+    ("body", "endpoint", "expected"),
+    [
+        ({"prompt": "x", "n": 2}, "completions", (None, "n")),
+        ({"prompt": "x", "n": 1}, "completions", (None, None)),
+        ({"prompt": "x", "echo": True}, "completions", (None, None)),
+        ({"prompt": "x", "logprobs": 2}, "completions", (None, None)),
+        ({"prompt": "x", "echo": True, "logprobs": 0}, "completions", (None, "prompt_logprobs")),
+        ({"prompt": "x", "prompt_logprobs": 1}, "completions", (None, "prompt_logprobs")),
+        ({"messages": [{}], "logprobs": True, "top_logprobs": 2}, "chat", (None, None)),
+        ({"prompt": "x", "best_of": 1}, "completions", (None, None)),
+    ],
+)
+def test_fidelity_routes(body, endpoint, expected):
+    assert check_fidelity(body, endpoint) == expected
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        ({"prompt": "x", "best_of": 3}, "best_of"),
+        ({"prompt": "x", "best_of": "2"}, "best_of"),
+        ({"prompt": "x", "n": 0}, "'n'"),
+        ({"prompt": "x", "n": True}, "'n'"),
+    ],
+)
+def test_fidelity_clear_400(body, needle):
+    reason, _ = check_fidelity(body, "completions")
+    assert reason and needle in reason
+
+
+def test_prompt_estimate_and_prefix_key():
+    assert estimate_prompt_tokens({"prompt": [1, 2, 3]}, "completions") == 3
+    assert estimate_prompt_tokens({"prompt": "a" * 400}, "completions") == 100
+    chat = {
+        "messages": [{"role": "system", "content": "s" * 40}, {"content": [{"text": "t" * 40}]}]
+    }
+    assert estimate_prompt_tokens(chat, "chat") == 20
+    assert prefix_key({"prompt": "abcdef"}, "completions", 3) == b"abc"
+    assert prefix_key({"prompt": [1, 2, 3]}, "completions", 2) == b"1,2"
+    assert prefix_key(chat, "chat", 1000).startswith(b"s" * 40)
