@@ -159,7 +159,7 @@ class PullClient:
         # cancels it, so a pull is never delivered after the decoder stopped waiting.
         try:
             await asyncio.wait_for(self._socket(peer).send(encode(msg)), self._budget_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self._fail_message(
                 peer, msg.msg_id, f"side channel {peer} not reachable within {self._budget_s:g}s"
             )
@@ -202,7 +202,7 @@ class PullClient:
         t0 = time.perf_counter()
         try:
             reply = await asyncio.wait_for(fut, self._timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self._pending[peer].pop((msg_id, spec.transfer_id), None)
             reply = PullReply(
                 msg_id, spec.transfer_id, ok=False, error=f"no reply within {self._timeout:g}s"

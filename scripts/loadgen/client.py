@@ -62,7 +62,7 @@ async def send(
         await asyncio.wait_for(
             _exchange(client, url, body, rec, start, headers or {}), timeouts.total_s
         )
-    except asyncio.TimeoutError:
+    except TimeoutError:
         _fail(rec, "timeout", f"no complete answer within {timeouts.total_s:g}s")
     except httpx.ConnectTimeout as e:
         _fail(rec, "connect_timeout", _msg(e))

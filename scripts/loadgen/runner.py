@@ -120,7 +120,7 @@ async def preflight(client: httpx.AsyncClient, base_url: str, timeout_s: float =
     url = base_url.rstrip("/") + "/v1/models"
     try:
         resp = await asyncio.wait_for(client.get(url), timeout_s)
-    except (httpx.HTTPError, asyncio.TimeoutError) as e:
+    except (TimeoutError, httpx.HTTPError) as e:
         raise TargetFailed(f"cannot reach {url}: {type(e).__name__}: {e}") from e
     if resp.status_code != 200:
         raise TargetFailed(f"{url} answered HTTP {resp.status_code}: {resp.text[:300]}")
