@@ -124,10 +124,19 @@ class PushHandler:
                 if time.time() > deadline:
                     raise TimeoutError("the decoder's deadline passed before the push finished")
                 self._write(req.decoder_session, src, dst, lengths)
-        except (ValueError, TransferError, TimeoutError) as exc:
+        except Exception as exc:
+            # Whatever went wrong, a claimed request must end here or its blocks are stranded
+            # (expiry skips claimed requests).
             self._registry.finish(tid, Outcome.FAILED)
             self._rec.event("push_failures")
-            logger.error("transfer %s to %s failed: %s", tid, req.decoder_session, exc)
+            expected = isinstance(exc, (ValueError, TransferError, TimeoutError))
+            logger.error(
+                "transfer %s to %s failed: %s",
+                tid,
+                req.decoder_session,
+                exc,
+                exc_info=not expected,
+            )
             return PullReply(req.msg_id, tid, ok=False, error=str(exc))
         elapsed = time.perf_counter() - t0
         self._registry.finish(tid, Outcome.SENT)

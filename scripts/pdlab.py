@@ -58,6 +58,10 @@ class Child:
     env: dict[str, str]
     log_path: Path
     url: str
+    # python -m puts the working directory first on sys.path: it decides which tree runs.
+    cwd: Path = ROOT
+    # What "ready" means: vLLM's /health; for the proxy, /ready (it sees a healthy P and D).
+    ready_path: str = "/health"
     proc: subprocess.Popen[bytes] | None = None
     started_at: float = 0.0
     ready_after_s: float | None = None
@@ -72,7 +76,7 @@ class Child:
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            cwd=ROOT,
+            cwd=self.cwd,
             start_new_session=True,
         )
         log.close()
@@ -91,7 +95,7 @@ class Child:
         except OSError:
             return "(no log)"
 
-    def wait_ready(self, timeout_s: float, path: str = "/health") -> float:
+    def wait_ready(self, timeout_s: float) -> float:
         deadline = time.monotonic() + timeout_s
         with httpx.Client(timeout=2.0) as client:
             while True:
@@ -102,7 +106,7 @@ class Child:
                         f"log {self.log_path}:\n{self.log_tail()}"
                     )
                 try:
-                    if client.get(self.url + path).status_code == 200:
+                    if client.get(self.url + self.ready_path).status_code == 200:
                         self.ready_after_s = time.monotonic() - self.started_at
                         return self.ready_after_s
                 except httpx.HTTPError:
@@ -182,6 +186,7 @@ def proxy_child(
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         log_path=log_dir / "proxy.log",
         url=f"http://127.0.0.1:{port}",
+        ready_path="/ready",
     )
 
 

@@ -90,27 +90,6 @@ class Instance:
         return data.decode(errors="replace")
 
 
-class CwdChild(Child):
-    """pdlab.Child with its own working directory (python -m puts the cwd first on sys.path)."""
-
-    cwd: Path = ROOT
-
-    def start(self) -> None:  # same as Child.start, different cwd
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = self.log_path.open("wb")
-        self.started_at = time.monotonic()
-        self.proc = subprocess.Popen(
-            self.argv,
-            env=self.env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            cwd=self.cwd,
-            start_new_session=True,
-        )
-        log.close()
-
-
 def vllm_instance(
     name: str, port: int, core: int, kv: dict, log_dir: Path, args, src_root: Path, env_extra: dict
 ) -> Instance:
@@ -158,14 +137,14 @@ def vllm_instance(
             **env_extra,
         }
     )
-    child = CwdChild(
+    child = Child(
         name=name,
         argv=argv,
         env=env,
         log_path=log_dir / f"{name}.log",
         url=f"http://127.0.0.1:{port}",
+        cwd=src_root,
     )
-    child.cwd = src_root
     return Instance(child)
 
 
