@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
     from connector.worker import P2pWorker
@@ -78,6 +79,7 @@ class P2pMooncakeConnector(KVConnectorBase_V1, SupportsHMA):
                 can_consume=ktc.is_kv_consumer,
                 groups=groups,
                 transfer_group_ids=kv_cache_config.transfer_group_ids,
+                idle_wait_s=settings.idle_wait_ms / 1000.0,
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -177,7 +179,13 @@ class P2pMooncakeConnector(KVConnectorBase_V1, SupportsHMA):
         self._s().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return self._s().build_connector_meta()
+        return self._s().build_connector_meta(scheduler_output.total_num_scheduled_tokens == 0)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._s().update_connector_output(
+            set(connector_output.finished_sending or ()),
+            set(connector_output.finished_recving or ()),
+        )
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
         # A transfer restores every transfer group, not only the prefix-cacheable ones.

@@ -36,6 +36,11 @@ class ConnectorSettings:
     max_segments_per_batch: int = 1000
     # Prefiller threads that serve pulls. Few: concurrent senders slow each other down.
     sender_threads: int = 2
+    # vLLM steps an engine back to back while a transfer is outstanding, even with nothing to
+    # run (a held request, or a request waiting for its KV): a hot spin. Such an empty step
+    # is delayed by this much in the scheduler. 0 turns pacing off; a new request arriving
+    # then may be scheduled up to this much later.
+    idle_wait_ms: float = 5.0
 
     @classmethod
     def load(
@@ -67,6 +72,8 @@ class ConnectorSettings:
             raise ValueError("connector setting side_channel_port must be a TCP port")
         if not 1 <= self.max_segments_per_batch <= 1024:
             raise ValueError("connector setting max_segments_per_batch must be in 1..1024")
+        if self.idle_wait_ms < 0:
+            raise ValueError("connector setting idle_wait_ms must not be negative")
         if self.sender_threads < 1:
             raise ValueError("connector setting sender_threads must be at least 1")
         if not self.protocol:

@@ -129,6 +129,9 @@ class P2pWorker:
 
     def get_transfer_results(self) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving)."""
+        return self._collect()
+
+    def _collect(self) -> tuple[set[str], set[str], set[str]]:
         expired = self.registry.expire()
         if expired:
             self.recorder.event("expired", len(expired))

@@ -189,3 +189,24 @@ def test_only_transfer_groups_are_used():
     req.status = RequestStatus.FINISHED_LENGTH_CAPPED
     assert s.request_finished(req, ([9, 9], [4, 5]))[0]
     assert s.build_connector_meta().send["t"].block_ids == [[4, 5]]
+
+
+def test_empty_steps_are_paced_only_while_a_transfer_is_outstanding():
+    import time
+
+    s = P2pScheduler("P", "h", 1, True, False, ONE_GROUP, (0,), idle_wait_s=0.05)
+
+    def timed(idle: bool) -> float:
+        t0 = time.monotonic()
+        s.build_connector_meta(idle)
+        return time.monotonic() - t0
+
+    assert timed(True) < 0.02  # nothing outstanding: no pacing
+    req = request("p", 40, {"do_remote_decode": True})
+    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    s.request_finished(req, ([1, 2],))
+    assert timed(True) < 0.02  # this step hands the request over: never delayed
+    assert timed(True) >= 0.045  # held and nothing to run: paced
+    assert timed(False) < 0.02  # a step with work is never delayed
+    s.update_connector_output({"p"}, set())
+    assert timed(True) < 0.02  # freed: no more pacing
