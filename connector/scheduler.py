@@ -50,8 +50,6 @@ class P2pMetadata(KVConnectorMetadata):
     send: dict[str, SendTask] = field(default_factory=dict)
     # transfer ids the prefiller finished without holding blocks (aborted, stopped early)
     dropped: list[str] = field(default_factory=list)
-    # Nothing was scheduled this step (the scheduler paced it; see build_connector_meta).
-    idle_step: bool = False
 
 
 @dataclass(frozen=True)
@@ -206,8 +204,8 @@ class P2pScheduler:
 
     def build_connector_meta(self, idle_step: bool = False) -> P2pMetadata:
         meta, self._meta = self._meta, P2pMetadata()
-        meta.idle_step = idle_step and not meta.recv and not meta.send
-        if meta.idle_step and self._outstanding and self._idle_wait_s > 0:
+        empty = idle_step and not meta.recv and not meta.send
+        if empty and self._outstanding and self._idle_wait_s > 0:
             # vLLM steps an engine back to back while a transfer is outstanding, even with
             # nothing to run; its engine core and worker then busy-poll each other (measured:
             # 175% CPU on 2 cores for one held request). A short sleep here, in the engine

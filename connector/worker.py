@@ -129,9 +129,6 @@ class P2pWorker:
 
     def get_transfer_results(self) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving)."""
-        return self._collect()
-
-    def _collect(self) -> tuple[set[str], set[str], set[str]]:
         expired = self.registry.expire()
         if expired:
             self.recorder.event("expired", len(expired))
@@ -151,9 +148,6 @@ class P2pWorker:
 
     def take_stats(self) -> dict[str, list[float]] | None:
         return self.recorder.take()
-
-    def has_held_requests(self) -> bool:
-        return self.registry.num_held() > 0
 
     def shutdown(self) -> None:
         self.registry.close()
