@@ -32,12 +32,10 @@ from scripts.loadgen.compare import headline_table
 from scripts.loadgen.report import read_result
 from scripts.pdlab import (
     DEFAULT_MODEL,
-    Child,
     Lab,
     ProcessDied,
     free_port,
-    kv_config,
-    proxy_child,
+    pd_stack,
     vllm_child,
 )
 
@@ -265,31 +263,10 @@ def colocated_stack(ns: argparse.Namespace, log_dir: Path) -> tuple[Lab, str]:
     return Lab([child]), child.url
 
 
-def pd_stack(ns: argparse.Namespace, log_dir: Path) -> tuple[Lab, str, dict[str, str]]:
-    p_port, d_port, x_port = free_port(), free_port(), free_port()
-    prefill = vllm_child(
-        "prefill",
-        "prefill",
-        p_port,
-        log_dir,
-        core=0,
-        block_size=ns.block_size,
-        model_dir=ns.model_dir,
-        kv=kv_config("prefill", free_port()),
-    )
-    decode = vllm_child(
-        "decode",
-        "decode",
-        d_port,
-        log_dir,
-        core=1,
-        block_size=ns.block_size,
-        model_dir=ns.model_dir,
-        kv=kv_config("decode", free_port()),
-    )
-    proxy: Child = proxy_child(x_port, [prefill.url], [decode.url], log_dir)
-    urls = {"proxy": proxy.url, "prefill": prefill.url, "decode": decode.url}
-    return Lab([prefill, decode, proxy]), proxy.url, urls
+def pd_lab(ns: argparse.Namespace, log_dir: Path) -> tuple[Lab, str, dict[str, str]]:
+    stack = pd_stack(log_dir, block_size=ns.block_size, model_dir=ns.model_dir)
+    urls = {"proxy": stack.proxy.url, "prefill": stack.prefill.url, "decode": stack.decode.url}
+    return stack.lab, stack.proxy.url, urls
 
 
 def main(
@@ -332,7 +309,7 @@ def run(
             bench[label] = vllm_bench(ns, url, label, out)
 
     lab_a, url_a = colocated_stack(ns, log_dir)
-    lab_b, url_b, urls_b = pd_stack(ns, log_dir)
+    lab_b, url_b, urls_b = pd_lab(ns, log_dir)
     if ns.parallel_start:
         # One start-up wait for both stacks; the colocated one is stopped after its run.
         both = Lab([*lab_a.children, *lab_b.children])

@@ -20,12 +20,9 @@ from pathlib import Path
 import httpx
 
 from scripts.pdlab import (
-    Lab,
     free_port,
-    kv_config,
+    pd_stack,
     prompt_tokens_by_source,
-    proxy_child,
-    vllm_child,
 )
 
 
@@ -52,29 +49,12 @@ def main() -> int:
             say(f"port {port} is busy; using {new} for --{name.replace('_', '-')}")
             setattr(args, name, new)
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="pd-demo-"))
-    p_url = f"http://127.0.0.1:{args.prefill_port}"
-    d_url = f"http://127.0.0.1:{args.decode_port}"
-    lab = Lab(
-        [
-            vllm_child(
-                "prefill",
-                "prefill",
-                args.prefill_port,
-                log_dir,
-                core=0,
-                kv=kv_config("prefill", args.side_channel_port),
-            ),
-            vllm_child(
-                "decode",
-                "decode",
-                args.decode_port,
-                log_dir,
-                core=1,
-                kv=kv_config("decode", args.side_channel_port + 100),
-            ),
-            proxy_child(args.port, [p_url], [d_url], log_dir),
-        ]
+    stack = pd_stack(
+        log_dir,
+        ports=(args.prefill_port, args.decode_port, args.port),
+        side_channel_port=args.side_channel_port,
     )
+    lab, d_url = stack.lab, stack.decode.url
     t0 = time.monotonic()
     with lab:
         say(f"starting 1P1D on CPU; logs in {log_dir}")

@@ -219,6 +219,51 @@ class Lab:
         self.stop_all()
 
 
+@dataclass
+class PdStack:
+    """1P1D + proxy as one lab: the shape the demo, the A/B script and the e2e tests run."""
+
+    lab: Lab
+    prefill: Child
+    decode: Child
+    proxy: Child
+
+
+def pd_stack(
+    log_dir: Path,
+    *,
+    block_size: int = 32,
+    model_dir: Path = DEFAULT_MODEL,
+    decoder_prefix_caching: bool = True,
+    ports: tuple[int, int, int] | None = None,
+    side_channel_port: int | None = None,
+) -> PdStack:
+    """Prefill on core 0, decode on core 1, our proxy in front; ``ports`` = (P, D, proxy)."""
+    p_port, d_port, x_port = ports or (free_port(), free_port(), free_port())
+    common = {"block_size": block_size, "model_dir": model_dir}
+    prefill = vllm_child(
+        "prefill",
+        "prefill",
+        p_port,
+        log_dir,
+        core=0,
+        **common,
+        kv=kv_config("prefill", side_channel_port or free_port()),
+    )
+    decode = vllm_child(
+        "decode",
+        "decode",
+        d_port,
+        log_dir,
+        core=1,
+        prefix_caching=decoder_prefix_caching,
+        **common,
+        kv=kv_config("decode", free_port()),
+    )
+    proxy = proxy_child(x_port, [prefill.url], [decode.url], log_dir)
+    return PdStack(Lab([prefill, decode, proxy]), prefill, decode, proxy)
+
+
 def prompt_tokens_by_source(metrics_text: str) -> dict[str, float]:
     """``vllm:prompt_tokens_by_source_total`` per source, from a /metrics page."""
     out: dict[str, float] = {}

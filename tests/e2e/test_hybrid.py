@@ -19,12 +19,8 @@ import pytest
 
 from scripts.pdlab import (
     ROOT,
-    Lab,
-    free_port,
-    kv_config,
+    pd_stack,
     prompt_tokens_by_source,
-    proxy_child,
-    vllm_child,
 )
 from tests.e2e.cases import MAX_TOKENS, answer_ids, reference
 
@@ -60,40 +56,10 @@ def stack(tmp_path_factory):
     ref = reference(
         BLOCK, log_dir, HYBRID_DIR, {n: ("/v1/completions", b) for n, b in cases().items()}
     )
-    p_port, d_port, x_port = free_port(), free_port(), free_port()
-    p_url, d_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
-    common: dict[str, Any] = {"block_size": BLOCK, "model_dir": HYBRID_DIR}
-    lab = Lab(
-        [
-            vllm_child(
-                "prefill",
-                "prefill",
-                p_port,
-                log_dir,
-                core=0,
-                **common,
-                kv=kv_config("prefill", free_port()),
-            ),
-            vllm_child(
-                "decode",
-                "decode",
-                d_port,
-                log_dir,
-                core=1,
-                **common,
-                kv=kv_config("decode", free_port()),
-            ),
-            proxy_child(x_port, [p_url], [d_url], log_dir),
-        ]
-    )
-    with lab:
+    pd = pd_stack(log_dir, block_size=BLOCK, model_dir=HYBRID_DIR)
+    with pd.lab as lab:
         lab.start_all(timeout_s=300)
-        yield {
-            "proxy": f"http://127.0.0.1:{x_port}",
-            "decode": d_url,
-            "log_dir": log_dir,
-            "ref": ref,
-        }
+        yield {"proxy": pd.proxy.url, "decode": pd.decode.url, "log_dir": log_dir, "ref": ref}
 
 
 def test_both_groups_are_registered_on_both_sides(stack):

@@ -20,12 +20,8 @@ import openai
 import pytest
 
 from scripts.pdlab import (
-    Lab,
-    free_port,
-    kv_config,
+    pd_stack,
     prompt_tokens_by_source,
-    proxy_child,
-    vllm_child,
 )
 from tests.e2e.cases import (
     MODEL_DIR,
@@ -66,41 +62,14 @@ def stack(request, tmp_path_factory):
     block_size, prefix = request.param
     log_dir = tmp_path_factory.mktemp(f"pd-bs{block_size}-{prefix}")
     ref = reference(block_size, log_dir)
-    p_port, d_port, x_port, side = free_port(), free_port(), free_port(), free_port()
-    p_url, d_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
-    lab = Lab(
-        [
-            vllm_child(
-                "prefill",
-                "prefill",
-                p_port,
-                log_dir,
-                core=0,
-                block_size=block_size,
-                model_dir=MODEL_DIR,
-                kv=kv_config("prefill", side),
-            ),
-            vllm_child(
-                "decode",
-                "decode",
-                d_port,
-                log_dir,
-                core=1,
-                block_size=block_size,
-                model_dir=MODEL_DIR,
-                prefix_caching=prefix,
-                kv=kv_config("decode", free_port()),
-            ),
-            proxy_child(x_port, [p_url], [d_url], log_dir),
-        ]
+    pd = pd_stack(
+        log_dir, block_size=block_size, model_dir=MODEL_DIR, decoder_prefix_caching=prefix
     )
-    with lab:
+    with pd.lab as lab:
         lab.start_all(timeout_s=300)
-        model = httpx.get(f"http://127.0.0.1:{x_port}/v1/models", timeout=10).json()["data"][0][
-            "id"
-        ]
+        model = httpx.get(pd.proxy.url + "/v1/models", timeout=10).json()["data"][0]["id"]
         yield Stack(
-            block_size, prefix, f"http://127.0.0.1:{x_port}", p_url, d_url, log_dir, model, ref
+            block_size, prefix, pd.proxy.url, pd.prefill.url, pd.decode.url, log_dir, model, ref
         )
 
 
