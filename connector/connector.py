@@ -27,6 +27,7 @@ from connector.log import get_logger
 from connector.scheduler import P2pMetadata, P2pScheduler
 from connector.settings import ConnectorSettings
 from connector.stats import P2pConnectorStats, P2pPromMetrics
+from connector.wire import PROTOCOL_VERSION, Compat
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -80,7 +81,9 @@ class P2pMooncakeConnector(KVConnectorBase_V1, SupportsHMA):
                 groups=groups,
                 transfer_group_ids=kv_cache_config.transfer_group_ids,
                 idle_wait_s=settings.idle_wait_ms / 1000.0,
+                tp_size=par.tensor_parallel_size,
             )
+            self._bad_params_reported = 0
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -96,6 +99,7 @@ class P2pMooncakeConnector(KVConnectorBase_V1, SupportsHMA):
                 can_produce=ktc.is_kv_producer,
                 can_consume=ktc.is_kv_consumer,
                 groups=groups,
+                compat=compat_of(vllm_config, settings),
             )
 
     # --- worker side -----------------------------------------------------------------------
@@ -140,9 +144,13 @@ class P2pMooncakeConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.shutdown()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        # vLLM asks the scheduler-side connector too; only workers record transfers.
+        # vLLM asks the scheduler-side connector too: it reports malformed params.
         if self._worker is None:
-            return None
+            bad = self._s().num_bad_params - self._bad_params_reported
+            if bad <= 0:
+                return None
+            self._bad_params_reported += bad
+            return P2pConnectorStats(data={"bad_params": [1] * bad})
         data = self._worker.take_stats()
         return P2pConnectorStats(data=data) if data else None
 
@@ -200,3 +208,22 @@ class P2pMooncakeConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         return self._s().request_finished(request, block_ids)
+
+
+def compat_of(vllm_config: VllmConfig, settings: ConnectorSettings) -> Compat:
+    """This instance's compatibility fingerprint, checked by the prefiller on every pull."""
+    model = vllm_config.model_config
+    par = vllm_config.parallel_config
+    served = model.served_model_name
+    if isinstance(served, (list, tuple)):
+        served = served[0] if served else None
+    return Compat(
+        protocol=PROTOCOL_VERSION,
+        model=settings.model_id or str(served or model.model),
+        dtype=str(model.dtype).removeprefix("torch."),
+        kv_cache_dtype=str(vllm_config.cache_config.cache_dtype),
+        num_layers=model.get_num_layers(par),
+        num_kv_heads=model.get_num_kv_heads(par),
+        head_size=model.get_head_size(),
+        tp_size=par.tensor_parallel_size,
+    )

@@ -70,21 +70,32 @@ class TransferPlan:
             np.concatenate([p.lengths for p in plans]),
         )
 
-    def batches(self, max_segments: int) -> Iterator[tuple[list[int], list[int], list[int]]]:
-        """Yield slices of at most ``max_segments`` segments as Python lists.
+    def batches(
+        self, max_segments: int, max_bytes: int | None = None
+    ) -> Iterator[tuple[list[int], list[int], list[int]]]:
+        """Yield slices of at most ``max_segments`` segments and ``max_bytes`` as lists.
 
-        The engine rejects a batch with more in-flight segments per peer than its
-        queue holds, so callers keep each call under that cap.
+        The engine rejects a batch with more in-flight segments per peer than its queue
+        holds, so callers keep each call under that cap; the byte cap bounds how long one
+        synchronous engine call may run. A single segment over ``max_bytes`` goes alone.
         """
         if max_segments <= 0:
             raise ValueError("max_segments must be positive")
-        for lo in range(0, len(self), max_segments):
-            hi = lo + max_segments
+        n = len(self)
+        ends = np.cumsum(self.lengths) if max_bytes is not None else None
+        lo = 0
+        while lo < n:
+            hi = min(lo + max_segments, n)
+            if ends is not None:
+                start = int(ends[lo - 1]) if lo else 0
+                by_bytes = int(np.searchsorted(ends, start + max_bytes, side="right"))
+                hi = max(lo + 1, min(hi, by_bytes))
             yield (
                 self.src[lo:hi].tolist(),
                 self.dst[lo:hi].tolist(),
                 self.lengths[lo:hi].tolist(),
             )
+            lo = hi
 
 
 def _as_ids(ids: Sequence[int] | np.ndarray, name: str) -> np.ndarray:

@@ -18,11 +18,15 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
+from connector.digest import MemoryReader, keyed_digest, written_segments
 from connector.layout import GroupLayout, geometry
 from connector.log import get_logger
+from connector.logsafe import safe
 from connector.recorder import TransferRecorder
+from connector.settings import ConnectorSettings
 from connector.wire import (
     PROTOCOL_VERSION,
+    Compat,
     PullItem,
     PullReply,
     PullRequest,
@@ -50,24 +54,55 @@ class PullSpec:
         return not any(self.block_ids)
 
 
+def check_reply(
+    reply: PullReply, asked: list[list[int]], groups: tuple[GroupLayout, ...]
+) -> str | None:
+    """Why an "ok" reply does not match what we asked for, or None when it does.
+
+    The prefiller must name the slots it wrote: each one we asked for, at most once, and
+    a byte count that is exactly those blocks in every region of their group.
+    """
+    if len(reply.written) != len(groups):
+        return f"reply names written blocks for {len(reply.written)} groups, not {len(groups)}"
+    expected_bytes = 0
+    for g, (written, want, lay) in enumerate(zip(reply.written, asked, groups, strict=True)):
+        allowed = {b for b in want if b}
+        if len(set(written)) != len(written) or not allowed.issuperset(written):
+            return f"reply claims blocks of group {g} that were not asked for"
+        expected_bytes += len(written) * lay.layout.block_len * len(lay.layout.base_addrs)
+    if reply.num_bytes != expected_bytes:
+        return f"reply says {reply.num_bytes} bytes for blocks that hold {expected_bytes}"
+    return None
+
+
 class PullClient:
     def __init__(
         self,
         engine_id: str,
         session: str,
         groups: tuple[GroupLayout, ...],
-        pull_timeout_s: float,
+        settings: ConnectorSettings,
         recorder: TransferRecorder,
+        compat: Compat | None = None,
+        reader: MemoryReader | None = None,
     ) -> None:
         self._engine_id = engine_id
         self._session = session
+        self._groups = groups
         self._geometry = [geometry(g) for g in groups]
-        self._timeout = pull_timeout_s
+        self._layouts = [
+            (g.layout.base_addrs, g.layout.block_len, g.layout.block_stride) for g in groups
+        ]
+        self._settings = settings
+        self._timeout = settings.pull_timeout_s
         self._rec = recorder
+        self._compat = compat
+        self._reader = reader if settings.verify_digest else None
         # The prefiller refuses a pull, and starts no push batch, after this budget (sent as an
         # absolute deadline), so a late push cannot land in blocks vLLM gave back after our
-        # timeout; the margin covers the last batch in flight and clock differences.
-        self._budget_s = max(0.5, pull_timeout_s - min(5.0, 0.2 * pull_timeout_s))
+        # timeout; the reserve covers the last batch in flight and clock differences.
+        self._budget_s = settings.pull_budget_s()
+        self._last_used: dict[str, float] = {}
         self._msg_ids = itertools.count(1)
         self._lock = threading.Lock()
         self._done: set[str] = set()
@@ -86,6 +121,7 @@ class PullClient:
 
     def start(self) -> None:
         self._thread.start()
+        self._loop.call_soon_threadsafe(self._spawn, self._close_idle_peers())
 
     # --- called from vLLM's worker thread -------------------------------------------------
 
@@ -128,31 +164,73 @@ class PullClient:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.IMMEDIATE, 1)
+            sock.setsockopt(zmq.MAXMSGSIZE, self._settings.max_message_bytes)
+            if peer.startswith("tcp://["):
+                sock.setsockopt(zmq.IPV6, 1)
             sock.connect(peer)
             self._sockets[peer] = sock
             self._spawn(self._read_replies(peer, sock))
         return sock
 
+    async def _close_idle_peers(self) -> None:
+        """Close sockets (and their reader tasks) to prefillers we have not used lately."""
+        idle_s = self._settings.peer_idle_s
+        while True:
+            await asyncio.sleep(min(idle_s / 2, 30.0))
+            now = time.monotonic()
+            for peer in list(self._sockets):
+                if self._pending.get(peer) or now - self._last_used.get(peer, now) < idle_s:
+                    continue
+                sock = self._sockets.pop(peer)
+                self._pending.pop(peer, None)
+                self._last_used.pop(peer, None)
+                sock.close(linger=0)  # its reader task ends on the closed socket
+                logger.debug("closed idle side channel to %s", peer)
+
+    def _chunks(self, specs: list[PullSpec]) -> list[list[PullSpec]]:
+        """Split one peer's step into messages under the prefiller's item and size caps."""
+        max_items = self._settings.max_items_per_pull
+        # msgpack ints take at most 9 bytes; keep well under the frame cap.
+        max_ids = self._settings.max_message_bytes // 20
+        out: list[list[PullSpec]] = [[]]
+        ids = 0
+        for spec in specs:
+            n = sum(len(g) for g in spec.block_ids)
+            if out[-1] and (len(out[-1]) >= max_items or ids + n > max_ids):
+                out.append([])
+                ids = 0
+            out[-1].append(spec)
+            ids += n
+        return out
+
     def _dispatch(self, specs: list[PullSpec]) -> None:
         by_peer: dict[str, list[PullSpec]] = defaultdict(list)
         for spec in specs:
             by_peer[spec.peer].append(spec)
-        for peer, group in by_peer.items():
-            msg = PullRequest(
-                version=PROTOCOL_VERSION,
-                msg_id=next(self._msg_ids),
-                decoder_engine_id=self._engine_id,
-                decoder_session=self._session,
-                groups=self._geometry,
-                deadline_ms=int((time.time() + self._budget_s) * 1000),
-                items=[PullItem(s.transfer_id, s.secret, s.block_ids) for s in group],
-            )
-            pending = self._pending[peer]
-            for spec in group:
-                fut: asyncio.Future[PullReply] = self._loop.create_future()
-                pending[(msg.msg_id, spec.transfer_id)] = fut
-                self._spawn(self._await_one(peer, msg.msg_id, spec, fut))
-            self._spawn(self._send(peer, msg))
+        for peer, all_specs in by_peer.items():
+            for group in self._chunks(all_specs):
+                self._dispatch_one(peer, group)
+
+    def _dispatch_one(self, peer: str, group: list[PullSpec]) -> None:
+        self._last_used[peer] = time.monotonic()
+        wants_blocks = any(not s.is_release for s in group)
+        msg = PullRequest(
+            version=PROTOCOL_VERSION,
+            msg_id=next(self._msg_ids),
+            decoder_engine_id=self._engine_id,
+            decoder_session=self._session,
+            groups=self._geometry,
+            deadline_ms=int((time.time() + self._budget_s) * 1000),
+            items=[PullItem(s.transfer_id, s.secret, s.block_ids) for s in group],
+            compat=self._compat,
+            want_digest=self._reader is not None and wants_blocks,
+        )
+        pending = self._pending[peer]
+        for spec in group:
+            fut: asyncio.Future[PullReply] = self._loop.create_future()
+            pending[(msg.msg_id, spec.transfer_id)] = fut
+            self._spawn(self._await_one(peer, msg.msg_id, spec, fut))
+        self._spawn(self._send(peer, msg))
 
     async def _send(self, peer: str, msg: PullRequest) -> None:
         # With IMMEDIATE the socket only takes a message once connected; giving up here
@@ -172,8 +250,9 @@ class PullClient:
                 data = await sock.recv()
             except zmq.ZMQError as exc:
                 # Pending pulls to this peer then end by their own timeouts.
-                logger.error("side channel to %s broke: %s", peer, exc)
-                self._sockets.pop(peer, None)
+                if self._sockets.get(peer) is sock:
+                    logger.error("side channel to %s broke: %s", peer, exc)
+                    self._sockets.pop(peer, None)
                 sock.close(linger=0)
                 return
             try:
@@ -184,12 +263,14 @@ class PullClient:
             if not reply.transfer_id:
                 self._fail_message(peer, reply.msg_id, reply.error or "rejected")
                 continue
+            self._last_used[peer] = time.monotonic()
             fut = self._pending[peer].pop((reply.msg_id, reply.transfer_id), None)
             if fut is not None and not fut.done():
                 fut.set_result(reply)
 
     def _fail_message(self, peer: str, msg_id: int, error: str) -> None:
         pending = self._pending[peer]
+        # An unreadable message is answered with msg_id -1: fail whatever is pending there.
         keys = [k for k in pending if k[0] == msg_id or msg_id < 0]
         for key in keys:
             fut = pending.pop(key)
@@ -207,11 +288,25 @@ class PullClient:
             reply = PullReply(
                 msg_id, spec.transfer_id, ok=False, error=f"no reply within {self._timeout:g}s"
             )
+            if not spec.is_release and self._settings.late_write_grace_s > 0:
+                # Bytes a frozen or partitioned path still held may land right after a
+                # freeze ends; let them land before vLLM may hand these blocks to another
+                # request.
+                await asyncio.sleep(self._settings.late_write_grace_s)
         elapsed = time.perf_counter() - t0
+        if reply.ok and not spec.is_release:
+            problem = check_reply(reply, spec.block_ids, self._groups)
+            if problem is None and self._reader is not None:
+                problem = self._check_digest(reply, spec)
+            if problem is not None:
+                reply = PullReply(msg_id, spec.transfer_id, ok=False, error=problem)
         if spec.is_release:  # the prefiller frees; nothing to report to vLLM
             if not reply.ok:
                 logger.warning(
-                    "release of %s at %s failed: %s", spec.transfer_id, peer, reply.error
+                    "release of %s at %s failed: %s",
+                    safe(spec.transfer_id),
+                    peer,
+                    safe(reply.error),
                 )
             return
         with self._lock:
@@ -220,8 +315,8 @@ class PullClient:
             self._rec.pull(elapsed, reply.num_bytes)
             logger.info(
                 "request %s: received %d blocks (%d bytes, %d segments) from %s in %.2f ms",
-                spec.request_id,
-                sum(1 for g in spec.block_ids for b in g if b),
+                safe(spec.request_id),
+                sum(len(g) for g in reply.written),
                 reply.num_bytes,
                 reply.num_segments,
                 peer,
@@ -229,7 +324,22 @@ class PullClient:
             )
         else:
             self._rec.event("pull_failures")
-            logger.error("request %s: pull from %s failed: %s", spec.request_id, peer, reply.error)
+            logger.error(
+                "request %s: pull from %s failed: %s",
+                safe(spec.request_id),
+                peer,
+                safe(reply.error),
+            )
+
+    def _check_digest(self, reply: PullReply, spec: PullSpec) -> str | None:
+        assert self._reader is not None
+        if not reply.digest:
+            return "digest check on, but the prefiller sent no digest"
+        addrs, lengths = written_segments(reply.written, self._layouts)
+        if keyed_digest(self._reader, spec.secret, addrs, lengths) != reply.digest:
+            self._rec.event("digest_mismatches")
+            return "KV digest mismatch: the received blocks differ from what was sent"
+        return None
 
     async def _shutdown(self) -> None:
         tasks = list(self._tasks)

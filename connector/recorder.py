@@ -13,7 +13,14 @@ SAMPLES = (
     "pull_seconds",
     "pull_bytes",
 )
-EVENTS = ("push_failures", "pull_failures", "expired", "refused")
+EVENTS = (
+    "push_failures",
+    "pull_failures",
+    "expired",
+    "refused",
+    "digest_mismatches",
+    "bad_params",
+)
 
 
 def empty_data() -> dict[str, list[float]]:

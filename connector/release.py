@@ -49,7 +49,9 @@ async def release_remote(
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.IMMEDIATE, 1)
     try:
-        sock.connect(f"tcp://{host}:{port}")
+        if ":" in host:
+            sock.setsockopt(zmq.IPV6, 1)
+        sock.connect(f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}")
         async with asyncio.timeout(timeout_s):
             await sock.send(encode(msg))
             reply = decode_reply(await sock.recv())
@@ -60,3 +62,25 @@ async def release_remote(
     finally:
         sock.close(linger=0)
     return None if reply.ok else reply.error
+
+
+async def release_all_ranks(
+    kv_transfer_params: dict[str, Any],
+    timeout_s: float = 5.0,
+    ctx: zmq.asyncio.Context | None = None,
+) -> list[str]:
+    """Release a request on every TP rank of the prefiller that holds it, concurrently.
+
+    Each rank holds its own share of the blocks and serves its own side-channel port
+    (base + tp_rank); ``remote_tp_size`` in the params says how many there are. Returns
+    one error per rank that failed (empty: all released).
+    """
+    size = (
+        kv_transfer_params.get("remote_tp_size", 1) if isinstance(kv_transfer_params, dict) else 1
+    )
+    if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= 1024:
+        return [f"bad remote_tp_size {size!r}"]
+    results = await asyncio.gather(
+        *(release_remote(kv_transfer_params, timeout_s, ctx, rank) for rank in range(size))
+    )
+    return [f"rank {rank}: {err}" for rank, err in enumerate(results) if err is not None]

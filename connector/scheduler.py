@@ -16,6 +16,7 @@ from vllm.v1.request import RequestStatus
 
 from connector.groups import GroupSpec
 from connector.log import get_logger
+from connector.logsafe import redacted, safe
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -50,6 +51,9 @@ class P2pMetadata(KVConnectorMetadata):
     send: dict[str, SendTask] = field(default_factory=dict)
     # transfer ids the prefiller finished without holding blocks (aborted, stopped early)
     dropped: list[str] = field(default_factory=list)
+    # transfer ids of do_remote_decode requests just admitted: a pull for one of them may
+    # wait (parked) for the hand-over; a pull for any other unknown id is refused at once
+    expected: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -62,18 +66,39 @@ class RemotePrefill:
     remote_port: int
 
     @classmethod
-    def parse(cls, params: dict[str, Any]) -> RemotePrefill | None:
+    def parse(cls, params: object) -> RemotePrefill | None:
+        """None unless every field is present with the right type and range."""
+        if not isinstance(params, dict):
+            return None
         tid, host, port = (
             params.get("transfer_id"),
             params.get("remote_host"),
             params.get("remote_port"),
         )
         secret = params.get("transfer_secret")
-        if not all(isinstance(v, str) and v for v in (tid, host, secret)):
-            return None
+        for value in (tid, host, secret):
+            if not (isinstance(value, str) and 0 < len(value) <= 256):
+                return None
         if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
             return None
         return cls(tid, secret, host, port)
+
+
+def transfer_params(request: Request) -> dict[str, Any] | None:
+    """The request's kv_transfer_params if they are a dict, else None (and never raise).
+
+    vLLM copies them from client-controlled fields (top level or ``vllm_xargs``) without
+    checking their type: a string or a list must not reach ``.get`` inside the scheduler.
+    """
+    params = request.kv_transfer_params
+    if params is None or isinstance(params, dict):
+        return params
+    return None
+
+
+def flag(params: dict[str, Any] | None, key: str) -> bool:
+    """A boolean field that counts only when it is literally ``true``."""
+    return bool(params) and params.get(key) is True
 
 
 class P2pScheduler:
@@ -87,8 +112,13 @@ class P2pScheduler:
         groups: tuple[GroupSpec, ...],
         transfer_group_ids: tuple[int, ...],
         idle_wait_s: float = 0.0,
+        tp_size: int = 1,
     ) -> None:
         self.engine_id = engine_id
+        self._tp_size = tp_size
+        # Requests whose kv_transfer_params were not a well-formed dict: served locally.
+        self.num_bad_params = 0
+        self._announced: set[str] = set()
         self._idle_wait_s = idle_wait_s
         # Requests with a transfer outstanding: held for a decoder, or waiting for their KV.
         self._outstanding: set[str] = set()
@@ -103,11 +133,29 @@ class P2pScheduler:
 
     # --- decode side -----------------------------------------------------------------------
 
+    def _bad_params(self, request: Request, why: str) -> None:
+        self.num_bad_params += 1
+        logger.warning(
+            "request %s: %s kv_transfer_params %s ignored; serving it without a transfer",
+            safe(request.request_id),
+            why,
+            redacted(request.kv_transfer_params),
+        )
+
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int, bool]:
-        params = request.kv_transfer_params
-        if not (self._can_consume and params and params.get("do_remote_prefill")):
+        params = transfer_params(request)
+        if params is None and request.kv_transfer_params is not None:
+            if request.request_id not in self._announced:
+                self._announced.add(request.request_id)  # warn once per request
+                self._bad_params(request, "malformed")
+            return 0, False
+        rid = request.request_id
+        if self._can_produce and flag(params, "do_remote_decode") and rid not in self._announced:
+            self._announced.add(rid)
+            self._meta.expected.append(rid)
+        if not (self._can_consume and flag(params, "do_remote_prefill")):
             return 0, False
         if RemotePrefill.parse(params) is None:
             return 0, False
@@ -117,18 +165,14 @@ class P2pScheduler:
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        params = request.kv_transfer_params
-        if not (self._can_consume and params and params.get("do_remote_prefill")):
+        params = transfer_params(request)
+        if not (self._can_consume and params is not None and flag(params, "do_remote_prefill")):
             return
         # One transfer per request, even if it is preempted and scheduled again.
         params["do_remote_prefill"] = False
         remote = RemotePrefill.parse(params)
         if remote is None:
-            logger.warning(
-                "request %s: incomplete kv_transfer_params %s; computing the prompt locally",
-                request.request_id,
-                params,
-            )
+            self._bad_params(request, "incomplete")
             return
         block_ids: list[list[int]] = [[] for _ in self._groups]
         if num_external_tokens > 0:
@@ -164,17 +208,18 @@ class P2pScheduler:
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         """``block_ids``: per KV cache group (all groups, vLLM's order), positional."""
-        params = request.kv_transfer_params
+        self._announced.discard(request.request_id)
+        params = transfer_params(request)
         if not params:
             return False, None
-        if params.get("do_remote_prefill"):
+        if flag(params, "do_remote_prefill"):
             # Never allocated (aborted while waiting): still tell the prefiller to free.
             params["do_remote_prefill"] = False
             remote = RemotePrefill.parse(params)
             if remote is not None:
                 self._add_recv(request.request_id, remote, [[] for _ in self._groups])
             return False, None
-        if not (self._can_produce and params.get("do_remote_decode")):
+        if not (self._can_produce and flag(params, "do_remote_decode")):
             return False, None
         held = [list(block_ids[gid]) for gid in self._transfer_group_ids]
         if request.status != RequestStatus.FINISHED_LENGTH_CAPPED or not any(any(g) for g in held):
@@ -184,7 +229,7 @@ class P2pScheduler:
             self._meta.dropped.append(request.request_id)
             logger.warning(
                 "request %s finished as %s: KV not handed over",
-                request.request_id,
+                safe(request.request_id),
                 request.status.name,
             )
             return False, None
@@ -197,6 +242,8 @@ class P2pScheduler:
             "remote_engine_id": self.engine_id,
             "remote_host": self._host,
             "remote_port": self._port,
+            # The decoder and a router's release address every rank: port + tp_rank.
+            "remote_tp_size": self._tp_size,
             "transfer_id": request.request_id,
             "transfer_secret": secret,
             "remote_num_blocks": [sum(1 for b in g if b) for g in held],
@@ -204,7 +251,7 @@ class P2pScheduler:
 
     def build_connector_meta(self, idle_step: bool = False) -> P2pMetadata:
         meta, self._meta = self._meta, P2pMetadata()
-        empty = idle_step and not meta.recv and not meta.send
+        empty = idle_step and not meta.recv and not meta.send and not meta.expected
         if empty and self._outstanding and self._idle_wait_s > 0:
             # vLLM steps an engine back to back while a transfer is outstanding, even with
             # nothing to run; its engine core and worker then busy-poll each other (measured:

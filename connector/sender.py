@@ -1,31 +1,50 @@
 """Prefiller side: accept pulls on a ZMQ ROUTER, push blocks, reply per request.
 
-The socket thread only decodes and routes; pushes run on a small thread pool, and
-their replies come back to the socket thread through an inproc pipe (ZMQ sockets are
-not thread-safe). A malformed pull is answered with an error and never stops the loop.
+Nothing here waits while holding a thread: the socket thread decodes, claims or parks
+each item (a parked pull is a callback, woken when its blocks are handed over or timed
+out by the socket loop), and queues pushes per decoder. Each decoder has at most one
+push running (a frozen decoder holds one sender thread, for at most the engine's
+transfer timeout per batch); queues and parking are capped, and what does not fit is
+refused at once. Replies come back to the socket thread through an inproc pipe (ZMQ
+sockets are not thread-safe). A malformed pull is answered with an error and never
+stops the loop.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import zmq
 
+from connector.digest import MemoryReader, keyed_digest
 from connector.groups import pair_blocks
 from connector.layout import GroupLayout, layout_mismatch
 from connector.log import get_logger
+from connector.logsafe import safe
 from connector.plan import RegionLayout, TransferPlan, build_transfer_plan
 from connector.recorder import TransferRecorder
 from connector.send_registry import ClaimError, Outcome, SendRegistry
 from connector.transport import TransferError
-from connector.wire import GroupGeometry, PullReply, PullRequest, WireError, decode_pull, encode
+from connector.wire import (
+    Compat,
+    GroupGeometry,
+    PullItem,
+    PullReply,
+    PullRequest,
+    WireError,
+    decode_pull,
+    encode,
+)
 
 logger = get_logger(__name__)
 
 WriteFn = Callable[[str, list[int], list[int], list[int]], None]
+Respond = Callable[[PullReply], None]
 
 
 def plan_item(
@@ -33,97 +52,225 @@ def plan_item(
     remote_ids: list[list[int]],
     local: tuple[GroupLayout, ...],
     remote: list[GroupGeometry],
-) -> tuple[TransferPlan, int]:
-    """One request's segments over all groups, each within its own group's layers."""
+) -> tuple[TransferPlan, list[list[int]]]:
+    """One request's segments over all groups, and per group the decoder slots written."""
     if len(local_ids) != len(local) or len(remote_ids) != len(local):
         raise ValueError(
             f"block ids for {len(remote_ids)} groups from the decoder, {len(local_ids)} held, "
             f"{len(local)} expected"
         )
-    plans, blocks = [], 0
+    plans, written = [], []
     for g, (mine, theirs) in enumerate(zip(local_ids, remote_ids, strict=True)):
         src, dst = pair_blocks(mine, theirs)
         r = remote[g]
         dst_layout = RegionLayout(tuple(r.region_bases), r.block_len, r.block_stride, r.num_blocks)
         plans.append(build_transfer_plan(src, dst, local[g].layout, dst_layout))
-        blocks += len(src)
-    return TransferPlan.concat(plans), blocks
+        written.append(dst)
+    return TransferPlan.concat(plans), written
+
+
+@dataclass(frozen=True)
+class PushLimits:
+    ready_timeout_s: float
+    max_segments_per_batch: int
+    max_batch_bytes: int = 256 << 20
+    max_items_per_pull: int = 256
+    max_queued_pushes: int = 1024
+
+
+@dataclass(frozen=True)
+class _Job:
+    req: PullRequest
+    item: PullItem
+    local_ids: list[list[int]]
+    respond: Respond
 
 
 class PushHandler:
-    """Serve one decoded pull: claim, check, plan, push, finish. No sockets here."""
+    """Serve decoded pulls: claim or park, check, plan, push, finish. No sockets here."""
 
     def __init__(
         self,
         registry: SendRegistry,
         groups: tuple[GroupLayout, ...],
         write: WriteFn,
-        ready_timeout_s: float,
-        max_segments_per_batch: int,
+        limits: PushLimits,
         recorder: TransferRecorder,
+        executor: Executor,
+        compat: Compat | None = None,
+        reader: MemoryReader | None = None,
     ) -> None:
         self._registry = registry
         self._groups = groups
         self._write = write
-        self._ready_timeout_s = ready_timeout_s
-        self._max_segments = max_segments_per_batch
+        self._limits = limits
         self._rec = recorder
+        self._executor = executor
+        self._compat = compat
+        self._reader = reader
+        self._lock = threading.Lock()
+        self._queues: dict[str, deque[_Job]] = {}  # decoder session -> pushes waiting
+        self._queued = 0
 
-    def _refuse(self, req: PullRequest, tid: str, error: str) -> PullReply:
-        self._rec.event("refused")
-        logger.warning("pull %s from %s refused: %s", tid, req.decoder_engine_id, error)
-        return PullReply(req.msg_id, tid, ok=False, error=error)
+    # --- entry points ----------------------------------------------------------------------
 
-    def serve(self, req: PullRequest) -> Iterator[PullReply]:
-        # Wall clock: the deadline is the decoder's; hosts are expected to run NTP.
-        deadline = req.deadline_ms / 1000.0
-        mismatch = layout_mismatch(self._groups, req.groups)
-        for item in req.items:
-            tid = item.transfer_id
-            late_s = time.time() - deadline
-            try:
-                wait = min(self._ready_timeout_s, max(0.0, -late_s))
-                local_ids = self._registry.claim(tid, wait, item.secret)
-            except ClaimError as exc:
-                yield self._refuse(req, tid, str(exc))
-                continue
-            # From here the caller proved it holds this request's secret: any refusal ends
-            # the request (frees its blocks), since its decoder will not ask again.
-            if late_s > 0:
-                self._registry.finish(tid, Outcome.FAILED)
-                yield self._refuse(
-                    req,
-                    tid,
-                    f"pull for {tid} arrived {late_s:.3f}s after the decoder's deadline "
-                    "(a delayed message, or clocks out of sync)",
+    def accept(self, req: PullRequest, respond: Respond) -> None:
+        """Start serving every item of ``req``; each item gets exactly one reply, later."""
+        if len(req.items) > self._limits.max_items_per_pull:
+            respond(
+                PullReply(
+                    req.msg_id,
+                    "",
+                    ok=False,
+                    error=f"too many items in one pull: {len(req.items)} > "
+                    f"{self._limits.max_items_per_pull}",
                 )
-                continue
-            if item.is_release:
-                self._registry.finish(tid, Outcome.RELEASED)
-                logger.debug("transfer %s released by decoder (nothing to send)", tid)
-                yield PullReply(req.msg_id, tid, ok=True)
-                continue
-            if mismatch:
-                self._registry.finish(tid, Outcome.FAILED)
-                yield self._refuse(req, tid, mismatch)
-                continue
-            yield self._push(req, tid, local_ids, item.block_ids, deadline)
+            )
+            return
+        for item in req.items:
+            self._start(req, item, respond)
 
-    def _push(
-        self,
-        req: PullRequest,
-        tid: str,
-        local_ids: list[list[int]],
-        remote_ids: list[list[int]],
-        deadline: float,
-    ) -> PullReply:
+    def tick(self) -> None:
+        """Time out parked pulls (called by the socket loop, a few times a second)."""
+        self._registry.expire_parked()
+
+    # --- per item --------------------------------------------------------------------------
+
+    def _start(self, req: PullRequest, item: PullItem, respond: Respond) -> None:
+        tid = item.transfer_id
+        wait_s = min(self._limits.ready_timeout_s, req.deadline_ms / 1000.0 - time.time())
+
+        def woken(handed_over: bool) -> None:
+            if not handed_over:
+                self._refuse(req, tid, respond, ClaimError(f"{safe(tid)}: not handed over"))
+                return
+            try:
+                ids = self._registry.claim(tid, item.secret)
+            except ClaimError as exc:
+                self._refuse(req, tid, respond, exc)
+                return
+            if ids is None:
+                self._refuse(req, tid, respond, ClaimError(f"{safe(tid)}: woken, not held"))
+                return
+            self._claimed(req, item, ids, respond)
+
+        try:
+            ids = self._registry.claim_or_park(tid, item.secret, wait_s, woken)
+        except ClaimError as exc:
+            self._refuse(req, tid, respond, exc)
+            return
+        if ids is not None:
+            self._claimed(req, item, ids, respond)
+
+    def _refuse(self, req: PullRequest, tid: str, respond: Respond, exc: ClaimError) -> None:
+        self._rec.event("refused")
+        logger.warning(
+            "pull %s from %s refused: %s", safe(tid), safe(req.decoder_engine_id), exc.detail
+        )
+        respond(PullReply(req.msg_id, tid, ok=False, error=exc.public))
+
+    def _fail(self, req: PullRequest, tid: str, respond: Respond, error: str) -> None:
+        """Refuse a claimed request: the caller proved its secret, so the blocks go now."""
+        self._registry.finish(tid, Outcome.FAILED)
+        self._rec.event("refused")
+        logger.warning("pull %s from %s refused: %s", safe(tid), safe(req.decoder_engine_id), error)
+        respond(PullReply(req.msg_id, tid, ok=False, error=error))
+
+    def _claimed(
+        self, req: PullRequest, item: PullItem, ids: list[list[int]], respond: Respond
+    ) -> None:
+        tid = item.transfer_id
+        late_s = time.time() - req.deadline_ms / 1000.0
+        if late_s > 0:
+            self._fail(
+                req,
+                tid,
+                respond,
+                f"pull for {safe(tid)} arrived {late_s:.3f}s after the decoder's deadline "
+                "(a delayed message, or clocks out of sync)",
+            )
+            return
+        if item.is_release:
+            self._registry.finish(tid, Outcome.RELEASED)
+            logger.debug("transfer %s released by decoder (nothing to send)", safe(tid))
+            respond(PullReply(req.msg_id, tid, ok=True))
+            return
+        mismatch = layout_mismatch(self._groups, req.groups)
+        if not mismatch and self._compat is not None:
+            mismatch = self._compat.mismatch(req.compat) or None
+        if mismatch:
+            self._fail(req, tid, respond, mismatch)
+            return
+        self._enqueue(_Job(req, item, ids, respond))
+
+    # --- per decoder queues ----------------------------------------------------------------
+
+    def _enqueue(self, job: _Job) -> None:
+        session = job.req.decoder_session
+        with self._lock:
+            if self._queued >= self._limits.max_queued_pushes:
+                full = True
+            else:
+                full = False
+                self._queued += 1
+                queue = self._queues.get(session)
+                start = queue is None
+                if queue is None:
+                    queue = self._queues[session] = deque()
+                queue.append(job)
+        if full:
+            self._fail(
+                job.req, job.item.transfer_id, job.respond, "prefiller busy: push queue full"
+            )
+            return
+        if start:
+            try:
+                self._executor.submit(self._drain, session)
+            except RuntimeError:  # shutting down: end everything queued for this decoder
+                for left in self._take_queue(session):
+                    self._fail(left.req, left.item.transfer_id, left.respond, "shutting down")
+
+    def _take_queue(self, session: str) -> list[_Job]:
+        with self._lock:
+            jobs = list(self._queues.pop(session, ()))
+            self._queued -= len(jobs)
+        return jobs
+
+    def _drain(self, session: str) -> None:
+        """Run one decoder's pushes one after another (one in flight per decoder)."""
+        while True:
+            with self._lock:
+                queue = self._queues[session]
+                if not queue:
+                    del self._queues[session]
+                    return
+                job = queue.popleft()
+                self._queued -= 1
+            try:
+                reply = self._push(job)
+            except Exception as exc:  # never leave a claimed request or a queue behind
+                self._registry.finish(job.item.transfer_id, Outcome.FAILED)
+                logger.exception("push of %s failed unexpectedly", safe(job.item.transfer_id))
+                reply = PullReply(job.req.msg_id, job.item.transfer_id, ok=False, error=str(exc))
+            job.respond(reply)
+
+    def _push(self, job: _Job) -> PullReply:
+        req, tid = job.req, job.item.transfer_id
+        deadline = req.deadline_ms / 1000.0
         t0 = time.perf_counter()
         try:
-            plan, n_blocks = plan_item(local_ids, remote_ids, self._groups, req.groups)
-            for src, dst, lengths in plan.batches(self._max_segments):
+            plan, written = plan_item(job.local_ids, job.item.block_ids, self._groups, req.groups)
+            for src, dst, lengths in plan.batches(
+                self._limits.max_segments_per_batch, self._limits.max_batch_bytes
+            ):
                 if time.time() > deadline:
                     raise TimeoutError("the decoder's deadline passed before the push finished")
                 self._write(req.decoder_session, src, dst, lengths)
+            digest = b""
+            if req.want_digest and self._reader is not None:
+                digest = keyed_digest(
+                    self._reader, job.item.secret, plan.src.tolist(), plan.lengths.tolist()
+                )
         except Exception as exc:
             # Whatever went wrong, a claimed request must end here or its blocks are stranded
             # (expiry skips claimed requests).
@@ -132,39 +279,59 @@ class PushHandler:
             expected = isinstance(exc, (ValueError, TransferError, TimeoutError))
             logger.error(
                 "transfer %s to %s failed: %s",
-                tid,
-                req.decoder_session,
+                safe(tid),
+                safe(req.decoder_session),
                 exc,
                 exc_info=not expected,
             )
-            return PullReply(req.msg_id, tid, ok=False, error=str(exc))
+            return PullReply(req.msg_id, tid, ok=False, error=str(exc)[:500])
         elapsed = time.perf_counter() - t0
         self._registry.finish(tid, Outcome.SENT)
+        n_blocks = sum(len(w) for w in written)
         self._rec.push(elapsed, plan.total_bytes, n_blocks, len(plan))
         logger.info(
             "transfer %s: pushed %d blocks as %d segments, %d bytes in %.2f ms to %s",
-            tid,
+            safe(tid),
             n_blocks,
             len(plan),
             plan.total_bytes,
             elapsed * 1e3,
-            req.decoder_session,
+            safe(req.decoder_session),
         )
         return PullReply(
-            req.msg_id, tid, ok=True, num_bytes=plan.total_bytes, num_segments=len(plan)
+            req.msg_id,
+            tid,
+            ok=True,
+            num_bytes=plan.total_bytes,
+            num_segments=len(plan),
+            written=written,
+            digest=digest,
         )
 
 
 class SideChannelServer:
     """The ROUTER socket thread plus the sender pool. Owns every socket and thread it makes."""
 
-    def __init__(self, bind_host: str, port: int, handler: PushHandler, threads: int) -> None:
-        self._handler = handler
+    def __init__(
+        self,
+        bind_host: str,
+        port: int,
+        make_handler: Callable[[Executor], PushHandler],
+        threads: int,
+        max_message_bytes: int = 16 << 20,
+    ) -> None:
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="pd-kv-send")
+        self._handler = make_handler(self._pool)
         self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        self.endpoint = f"tcp://{bind_host}:{port}"
+        # A bigger frame disconnects the peer before anything is allocated for it.
+        self._router.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        host = f"[{bind_host}]" if ":" in bind_host else bind_host
+        if ":" in bind_host:
+            self._router.setsockopt(zmq.IPV6, 1)
+        self.endpoint = f"tcp://{host}:{port}"
         self._router.bind(self.endpoint)
         self._inbox = f"inproc://pd-kv-replies-{id(self)}"
         self._replies_in = self._ctx.socket(zmq.PULL)
@@ -173,7 +340,6 @@ class SideChannelServer:
         self._replies_out.setsockopt(zmq.LINGER, 0)
         self._replies_out.connect(self._inbox)
         self._out_lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="pd-kv-send")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pd-kv-side-channel", daemon=True)
         self.malformed = 0
@@ -182,18 +348,13 @@ class SideChannelServer:
         self._thread.start()
         logger.info("KV side channel listening on %s", self.endpoint)
 
-    def _reply(self, ident: bytes, reply: PullReply) -> None:
-        with self._out_lock:
-            if not self._stop.is_set():
-                self._replies_out.send_multipart([ident, encode(reply)])
+    def _responder(self, ident: bytes) -> Respond:
+        def respond(reply: PullReply) -> None:
+            with self._out_lock:
+                if not self._stop.is_set():
+                    self._replies_out.send_multipart([ident, encode(reply)])
 
-    def _serve(self, ident: bytes, req: PullRequest) -> None:
-        try:
-            for reply in self._handler.serve(req):
-                self._reply(ident, reply)
-        except Exception as exc:  # never let one pull kill the pool thread silently
-            logger.exception("pull %d failed unexpectedly", req.msg_id)
-            self._reply(ident, PullReply(req.msg_id, "", ok=False, error=f"internal error: {exc}"))
+        return respond
 
     def _run(self) -> None:
         poller = zmq.Poller()
@@ -214,6 +375,7 @@ class SideChannelServer:
             if self._router in events:
                 frames = self._router.recv_multipart()
                 self._on_message(frames)
+            self._handler.tick()
 
     def _on_message(self, frames: list[bytes]) -> None:
         ident, payload = frames[0], frames[-1]
@@ -223,15 +385,18 @@ class SideChannelServer:
             req = decode_pull(payload)
         except WireError as exc:
             self.malformed += 1
-            logger.warning("malformed pull (%d bytes): %s", len(payload), exc)
+            logger.warning("malformed pull (%d bytes): %s", len(payload), safe(str(exc)))
             self._router.send_multipart(
-                [ident, encode(PullReply(-1, "", ok=False, error=str(exc)))]
+                [ident, encode(PullReply(-1, "", ok=False, error=str(exc)[:500]))]
             )
             return
         try:
-            self._pool.submit(self._serve, ident, req)
-        except RuntimeError:  # pool already shut down
-            return
+            self._handler.accept(req, self._responder(ident))
+        except Exception as exc:  # never let one pull kill the socket thread
+            logger.exception("pull %d failed unexpectedly", req.msg_id)
+            self._router.send_multipart(
+                [ident, encode(PullReply(req.msg_id, "", ok=False, error=f"internal error: {exc}"))]
+            )
 
     def close(self) -> None:
         self._stop.set()
@@ -240,3 +405,17 @@ class SideChannelServer:
         for sock in (self._router, self._replies_in, self._replies_out):
             sock.close(linger=0)
         self._ctx.term()
+
+
+class InlineExecutor(Executor):
+    """Runs each push on the caller's thread: for benchmarks and tests of the handler alone."""
+
+    def submit(self, fn, /, *args, **kwargs):  # type: ignore[no-untyped-def, override]
+        from concurrent.futures import Future
+
+        fut: Future[object] = Future()
+        try:
+            fut.set_result(fn(*args, **kwargs))
+        except BaseException as exc:  # handed to the future, as a real executor does
+            fut.set_exception(exc)
+        return fut

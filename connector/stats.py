@@ -55,6 +55,8 @@ class P2pConnectorStats(KVConnectorStats):
             "Pull failures": len(d.get("pull_failures", [])),
             "Expired": len(d.get("expired", [])),
             "Refused pulls": len(d.get("refused", [])),
+            "Digest mismatches": len(d.get("digest_mismatches", [])),
+            "Bad kv_transfer_params": len(d.get("bad_params", [])),
         }
         if push_s.size:
             out["Avg push ms"] = round(float(push_s.mean()) * 1e3, 3)
@@ -101,6 +103,8 @@ class P2pPromMetrics(KVConnectorPromMetrics):
                 ("pull_failures", "Pulls that failed on the decoder"),
                 ("expired", "Held requests freed because no decoder asked in time"),
                 ("refused", "Pulls refused (unknown, ended, wrong secret, bad layout)"),
+                ("digest_mismatches", "Received KV whose keyed digest did not match (opt-in)"),
+                ("bad_params", "Requests whose kv_transfer_params were malformed (ignored)"),
             )
         }
         buckets = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10]

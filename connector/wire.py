@@ -1,27 +1,47 @@
 """The side-channel protocol between a decoder worker and a prefiller worker.
 
 The decoder sends one :class:`PullRequest` per prefiller per engine step (many
-requests share it); the prefiller answers each item with its own :class:`PullReply`
-as soon as that item's blocks are pushed, so a slow request never holds up others.
-An item with no block ids is a release: the decoder needs nothing (prefix hit, or
-the request was aborted) and the prefiller frees its blocks at once. Every item carries
-the per-request secret the prefiller issued in its ``kv_transfer_params``: only the
-holder of that answer (the proxy, then the decoder) can pull or release that request.
+requests share it, up to :data:`MAX_ITEMS` per message); the prefiller answers each
+item with its own :class:`PullReply` as soon as that item's blocks are pushed, so a
+slow request never holds up others. An item with no block ids is a release: the
+decoder needs nothing (prefix hit, or the request was aborted) and the prefiller frees
+its blocks at once. Every item carries the per-request secret the prefiller issued in
+its ``kv_transfer_params``: only the holder of that answer (the proxy, then the
+decoder) can pull or release that request.
+
+Every field is bounded (lengths, counts, ranges) so a hostile peer cannot make the
+prefiller allocate or loop without limit; the socket also caps the frame size.
 """
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
+
+# Hard caps enforced while decoding (a message over any of them is refused whole).
+MAX_ITEMS = 1024  # requests per pull message
+MAX_GROUPS = 64  # KV cache groups
+MAX_BLOCKS = 1 << 20  # block slots per group and request
+MAX_REGIONS = 1 << 16  # KV regions per group
+MAX_ID_LEN = 256  # transfer ids, secrets, engine ids, sessions
+MAX_ERROR_LEN = 1024
+
+Address = Annotated[int, msgspec.Meta(ge=0)]
+BlockId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 40)]
+Ident = Annotated[str, msgspec.Meta(max_length=MAX_ID_LEN)]
+BlockSlots = Annotated[list[BlockId], msgspec.Meta(max_length=MAX_BLOCKS)]
+GroupSlots = Annotated[list[BlockSlots], msgspec.Meta(max_length=MAX_GROUPS)]
 
 
 class PullItem(msgspec.Struct, frozen=True):
-    transfer_id: str
-    secret: str
+    transfer_id: Ident
+    secret: Ident
     # Per KV cache group, the decoder's block slots to fill (positional, 0 = skip).
     # All lists empty: a release.
-    block_ids: list[list[int]]
+    block_ids: GroupSlots
 
     @property
     def is_release(self) -> bool:
@@ -31,35 +51,74 @@ class PullItem(msgspec.Struct, frozen=True):
 class GroupGeometry(msgspec.Struct, frozen=True):
     """The decoder's memory for one KV cache group (see layout.GroupLayout)."""
 
-    kind: str
-    block_size: int
-    region_bases: list[int]
-    block_len: int
-    block_stride: int
-    num_blocks: int
+    kind: Annotated[str, msgspec.Meta(max_length=64)]
+    block_size: Annotated[int, msgspec.Meta(ge=0, lt=1 << 20)]
+    region_bases: Annotated[
+        list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(max_length=MAX_REGIONS)
+    ]
+    block_len: Annotated[int, msgspec.Meta(gt=0, lt=1 << 40)]
+    block_stride: Annotated[int, msgspec.Meta(gt=0, lt=1 << 40)]
+    num_blocks: Annotated[int, msgspec.Meta(gt=0, lt=1 << 40)]
+
+
+class Compat(msgspec.Struct, frozen=True):
+    """What must match for a prefiller's KV bytes to mean the same thing on a decoder.
+
+    Byte geometry alone is not enough: two dtypes (or two models) of equal size would pass
+    the layout check and decode garbage.
+    """
+
+    protocol: int
+    model: Annotated[str, msgspec.Meta(max_length=MAX_ID_LEN)]
+    dtype: Annotated[str, msgspec.Meta(max_length=64)]
+    kv_cache_dtype: Annotated[str, msgspec.Meta(max_length=64)]
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    tp_size: int
+
+    def mismatch(self, other: Compat | None) -> str:
+        """Empty if compatible, else which fields differ (ours vs theirs)."""
+        if other is None:
+            return "the decoder sent no compatibility fingerprint"
+        diffs = [
+            f"{name} {getattr(self, name)!r} here vs {getattr(other, name)!r} on the decoder"
+            for name in self.__struct_fields__
+            if getattr(self, name) != getattr(other, name)
+        ]
+        return ("incompatible decoder: " + "; ".join(diffs)) if diffs else ""
 
 
 class PullRequest(msgspec.Struct, frozen=True, tag="pull"):
     version: int
-    msg_id: int
-    decoder_engine_id: str
+    msg_id: Annotated[int, msgspec.Meta(ge=0)]
+    decoder_engine_id: Ident
     # "host:rpc_port" of the decoder's transfer engine: where the prefiller writes.
-    decoder_session: str
-    groups: list[GroupGeometry]
+    decoder_session: Ident
+    groups: Annotated[list[GroupGeometry], msgspec.Meta(max_length=MAX_GROUPS)]
     # Unix time (ms, decoder's clock) after which the decoder has given up: the prefiller
     # refuses the pull and starts no push batch after it (the blocks may be reused by then).
     deadline_ms: int
-    items: list[PullItem]
+    items: Annotated[list[PullItem], msgspec.Meta(max_length=MAX_ITEMS)]
+    # None only in a release-only message (a router freeing blocks): it writes nothing.
+    compat: Compat | None = None
+    # Ask for a keyed digest of the pushed bytes in each reply (the decoder's opt-in check).
+    want_digest: bool = False
 
 
 class PullReply(msgspec.Struct, frozen=True, tag="reply"):
     msg_id: int
     # Empty when the whole message was unreadable.
-    transfer_id: str
+    transfer_id: Ident
     ok: bool
-    error: str = ""
+    error: Annotated[str, msgspec.Meta(max_length=MAX_ERROR_LEN)] = ""
     num_bytes: int = 0
     num_segments: int = 0
+    # Per group, the decoder slots that were written, in pairing order: the decoder checks
+    # them against what it asked for and what the byte count implies.
+    written: GroupSlots = msgspec.field(default_factory=list)
+    # Keyed BLAKE2b of the pushed bytes (empty unless the pull asked for it).
+    digest: Annotated[bytes, msgspec.Meta(max_length=64)] = b""
 
 
 Message = PullRequest | PullReply
@@ -80,7 +139,7 @@ def decode(data: bytes) -> Message:
     try:
         return _decoder.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise WireError(f"malformed side-channel message: {exc}") from exc
+        raise WireError(f"malformed side-channel message: {str(exc)[:200]}") from exc
 
 
 def decode_pull(data: bytes) -> PullRequest:

@@ -9,19 +9,23 @@ from __future__ import annotations
 
 import ipaddress
 from collections.abc import Mapping
+from concurrent.futures import Executor
 
 import torch
 
+from connector.digest import MemoryReader
 from connector.groups import GroupSpec
 from connector.layout import KVMemory, describe_kv_caches
 from connector.log import get_logger
+from connector.logsafe import safe
 from connector.receiver import PullClient, PullSpec
 from connector.recorder import TransferRecorder
 from connector.scheduler import P2pMetadata
 from connector.send_registry import Outcome, SendRegistry
-from connector.sender import PushHandler, SideChannelServer
+from connector.sender import PushHandler, PushLimits, SideChannelServer
 from connector.settings import ConnectorSettings
 from connector.transport import MooncakeTransport
+from connector.wire import Compat
 
 logger = get_logger(__name__)
 
@@ -37,8 +41,10 @@ class P2pWorker:
         can_produce: bool,
         can_consume: bool,
         groups: tuple[GroupSpec, ...] | None = None,
+        compat: Compat | None = None,
     ) -> None:
         self._settings = settings
+        self._compat = compat
         self._groups = groups
         self._engine_id = engine_id
         self._num_blocks = num_blocks
@@ -53,9 +59,20 @@ class P2pWorker:
                 "'host' (or PD_KV_HOST) to an address the other instance can reach",
                 self._host,
             )
-        self.transport = MooncakeTransport(self._host, settings.protocol, settings.device_name)
+        if settings.pull_timeout_s < settings.transfer_timeout_s + 2 and can_consume:
+            logger.warning(
+                "pull_timeout_s %gs leaves less than transfer_timeout_s + 1 s in reserve: a "
+                "push batch to a frozen peer could outlive the pull (late write)",
+                settings.pull_timeout_s,
+            )
+        self.transport = MooncakeTransport(
+            self._host,
+            settings.protocol,
+            settings.device_name,
+            transfer_timeout_s=settings.transfer_timeout_s,
+        )
         self.memory: KVMemory | None = None
-        self.registry = SendRegistry(settings.expiry_s)
+        self.registry = SendRegistry(settings.expiry_s, max_parked=settings.max_parked)
         self.recorder = TransferRecorder()
         self._server: SideChannelServer | None = None
         self._client: PullClient | None = None
@@ -80,20 +97,35 @@ class P2pWorker:
             len(self.memory.groups),
             len(self.memory.spans),
         )
+        reader = MemoryReader(kv_caches.values())
         if self._can_produce:
-            handler = PushHandler(
-                self.registry,
-                self.memory.groups,
-                self.transport.write,
-                self._settings.ready_timeout_s,
-                self._settings.max_segments_per_batch,
-                self.recorder,
+            limits = PushLimits(
+                ready_timeout_s=self._settings.ready_timeout_s,
+                max_segments_per_batch=self._settings.max_segments_per_batch,
+                max_batch_bytes=self._settings.max_batch_bytes,
+                max_items_per_pull=self._settings.max_items_per_pull,
+                max_queued_pushes=self._settings.max_queued_pushes,
             )
+            memory = self.memory
+
+            def make_handler(executor: Executor) -> PushHandler:
+                return PushHandler(
+                    self.registry,
+                    memory.groups,
+                    self.transport.write,
+                    limits,
+                    self.recorder,
+                    executor,
+                    compat=self._compat,
+                    reader=reader,
+                )
+
             self._server = SideChannelServer(
                 self._settings.side_channel_bind_host(),
                 self._side_channel_port,
-                handler,
+                make_handler,
                 self._settings.sender_threads,
+                self._settings.max_message_bytes,
             )
             self._server.start()
         if self._can_consume:
@@ -101,12 +133,16 @@ class P2pWorker:
                 self._engine_id,
                 self.transport.session,
                 self.memory.groups,
-                self._settings.pull_timeout_s,
+                self._settings,
                 self.recorder,
+                compat=self._compat,
+                reader=reader,
             )
             self._client.start()
 
     def start_load_kv(self, meta: P2pMetadata) -> None:
+        for tid in meta.expected:
+            self.registry.expect(tid)
         for tid, task in meta.send.items():
             self.registry.add(tid, task.block_ids, task.secret)
         for tid in meta.dropped:
@@ -121,7 +157,7 @@ class P2pWorker:
                         t.transfer_id,
                         t.secret,
                         t.block_ids,
-                        f"tcp://{t.remote_host}:{t.remote_port + self._tp_rank}",
+                        zmq_endpoint(t.remote_host, t.remote_port + self._tp_rank),
                     )
                     for t in meta.recv
                 ]
@@ -137,7 +173,7 @@ class P2pWorker:
                 len(expired),
                 self._settings.expiry_s,
                 self.registry.counts[Outcome.EXPIRED],
-                ", ".join(expired[:8]),
+                ", ".join(safe(t) for t in expired[:8]),
             )
         sending = self.registry.take_finished()
         recving: set[str] = set()
@@ -158,6 +194,11 @@ class P2pWorker:
             self._client.close()
             self._client = None
         self.transport.close()
+
+
+def zmq_endpoint(host: str, port: int) -> str:
+    """tcp://host:port, with IPv6 literals in brackets."""
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
 def _is_loopback(host: str) -> bool:

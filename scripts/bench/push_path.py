@@ -128,92 +128,53 @@ class ReplicaPusher(Pusher):
 
 
 class HandlerPusher(Pusher):
-    """connector.sender.PushHandler.serve() with a real SendRegistry, as the side channel calls it.
-
-    Knows two PushHandler APIs: the committed one (one RegionLayout, flat block ids) and the
-    per-KV-cache-group one (GroupLayout tuple, recorder, per-request secret).
-    """
+    """connector.sender.PushHandler with a real SendRegistry, as the side channel calls it."""
 
     def __init__(self, local, remote, block_size, transport, session, max_segments) -> None:
-        import inspect
-
         from connector import wire
+        from connector.layout import GroupLayout, geometry
+        from connector.recorder import TransferRecorder
         from connector.send_registry import SendRegistry
-        from connector.sender import PushHandler
+        from connector.sender import InlineExecutor, PushHandler, PushLimits
 
         self.wire = wire
         self.registry = SendRegistry(expiry_s=600)
         self.session = session
         self.k = 0
-        params = inspect.signature(PushHandler.__init__).parameters
-        if "recorder" in params and "groups" in params:
-            from connector.layout import GroupLayout, geometry
-            from connector.recorder import TransferRecorder
-
-            self.api = "groups"
-            self.recorder = TransferRecorder()
-            self.handler = PushHandler(
-                self.registry,
-                (GroupLayout("full", block_size, local),),
-                transport.write,
-                5.0,
-                max_segments,
-                self.recorder,
-            )
-            self.geometry = [geometry(GroupLayout("full", block_size, remote))]
-        elif list(params)[1:6] == [
-            "registry",
-            "local",
-            "write",
-            "ready_timeout_s",
-            "max_segments_per_batch",
-        ]:
-            self.api = "flat"
-            self.handler = PushHandler(self.registry, local, transport.write, 5.0, max_segments)
-            self.remote = remote
-        else:
-            raise TypeError(f"unknown PushHandler signature {list(params)}")
-        self.describe = f"connector.sender.PushHandler.serve ({self.api} API) + SendRegistry"
+        self.recorder = TransferRecorder()
+        self.handler = PushHandler(
+            self.registry,
+            (GroupLayout("full", block_size, local),),
+            transport.write,
+            PushLimits(ready_timeout_s=5.0, max_segments_per_batch=max_segments),
+            self.recorder,
+            InlineExecutor(),
+        )
+        self.geometry = [geometry(GroupLayout("full", block_size, remote))]
+        self.describe = "connector.sender.PushHandler.accept + SendRegistry"
 
     def push(self, src_ids, dst_ids):
         self.k += 1
         tid = f"bench-{self.k}"
         w = self.wire
-        deadline_ms = int((time.time() + 600) * 1000)
-        if self.api == "groups":
-            self.registry.add(tid, [src_ids], "s3cret")
-            req = w.PullRequest(
-                version=w.PROTOCOL_VERSION,
-                msg_id=self.k,
-                decoder_engine_id="bench-decoder",
-                decoder_session=self.session,
-                groups=self.geometry,
-                deadline_ms=deadline_ms,
-                items=[w.PullItem(tid, "s3cret", [dst_ids])],
-            )
-        else:
-            self.registry.add(tid, src_ids)
-            r = self.remote
-            req = w.PullRequest(
-                version=w.PROTOCOL_VERSION,
-                msg_id=self.k,
-                decoder_engine_id="bench-decoder",
-                decoder_session=self.session,
-                region_bases=list(r.base_addrs),
-                block_len=r.block_len,
-                block_stride=r.block_stride,
-                num_blocks=r.num_blocks,
-                deadline_ms=deadline_ms,
-                items=[w.PullItem(tid, dst_ids)],
-            )
+        self.registry.add(tid, [src_ids], "s3cret")
+        req = w.PullRequest(
+            version=w.PROTOCOL_VERSION,
+            msg_id=self.k,
+            decoder_engine_id="bench-decoder",
+            decoder_session=self.session,
+            groups=self.geometry,
+            deadline_ms=int((time.time() + 600) * 1000),
+            items=[w.PullItem(tid, "s3cret", [dst_ids])],
+        )
+        replies: list = []
         t = time.perf_counter()
-        replies = list(self.handler.serve(req))
+        self.handler.accept(req, replies.append)
         dt = time.perf_counter() - t
         if len(replies) != 1 or not replies[0].ok:
             raise RuntimeError(f"push failed: {replies}")
         self.registry.take_finished()
-        if self.api == "groups":
-            self.recorder.take()
+        self.recorder.take()
         return dt, replies[0].num_segments, replies[0].num_bytes
 
 

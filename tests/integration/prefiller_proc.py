@@ -2,6 +2,7 @@
 
 Reads JSON commands on stdin, answers JSON lines on stdout:
   {"cmd": "hold", "transfer_id": ..., "block_ids": [...], "secret": ...}   as vLLM would
+  {"cmd": "expect", "transfer_id": ...}                     the scheduler admitted it
   {"cmd": "drop", "transfer_id": ...}                       the request ended without KV
   {"cmd": "results"}                                        what vLLM's step would collect
   {"cmd": "quit"}
@@ -14,6 +15,7 @@ import sys
 
 from connector.scheduler import P2pMetadata, SendTask
 from connector.settings import ConnectorSettings
+from connector.wire import Compat
 from connector.worker import P2pWorker
 from tests.integration.kvbuf import make_caches
 
@@ -21,6 +23,14 @@ from tests.integration.kvbuf import make_caches
 def say(obj: dict) -> None:
     sys.stdout.write(json.dumps(obj) + "\n")
     sys.stdout.flush()
+
+
+def rss_kib() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return -1
 
 
 def main() -> None:
@@ -33,10 +43,14 @@ def main() -> None:
             "expiry_s": cfg.get("expiry_s", 60),
             "ready_timeout_s": cfg.get("ready_timeout_s", 1),
             "max_segments_per_batch": cfg.get("max_segments_per_batch", 1000),
+            "max_message_bytes": cfg.get("max_message_bytes", 16 << 20),
         },
         env={},
     )
-    worker = P2pWorker(settings, "prefill-test", cfg["num_blocks"], 0, cfg["port"], True, False)
+    compat = Compat(**cfg["compat"]) if "compat" in cfg else None
+    worker = P2pWorker(
+        settings, "prefill-test", cfg["num_blocks"], 0, cfg["port"], True, False, compat=compat
+    )
     _, caches = make_caches(cfg, seed=cfg["seed"])
     worker.register_kv_caches(caches)
     say({"event": "ready"})
@@ -45,6 +59,9 @@ def main() -> None:
         if cmd["cmd"] == "hold":
             task = SendTask([cmd["block_ids"]], cmd.get("secret", "k"))
             worker.start_load_kv(P2pMetadata(send={cmd["transfer_id"]: task}))
+            say({"ok": True})
+        elif cmd["cmd"] == "expect":
+            worker.start_load_kv(P2pMetadata(expected=[cmd["transfer_id"]]))
             say({"ok": True})
         elif cmd["cmd"] == "drop":
             worker.start_load_kv(P2pMetadata(dropped=[cmd["transfer_id"]]))
@@ -59,6 +76,8 @@ def main() -> None:
                     "held": worker.registry.num_held(),
                     "malformed": worker._server.malformed,
                     "refused_secret": worker.registry.refused_secret,
+                    "parked": worker.registry.num_parked(),
+                    "rss_kib": rss_kib(),
                 }
             )
         elif cmd["cmd"] == "quit":

@@ -30,7 +30,8 @@ def test_requests_to_one_prefiller_in_one_step_share_one_message():
     router.setsockopt(zmq.LINGER, 0)
     router.bind(f"tcp://127.0.0.1:{port}")
     group = GroupLayout("full", 32, RegionLayout((4096,), 64, 64, 10))
-    client = PullClient("dec", "127.0.0.1:1", (group,), 5.0, TransferRecorder())
+    settings = ConnectorSettings.load({"pull_timeout_s": 5.0}, env={})
+    client = PullClient("dec", "127.0.0.1:1", (group,), settings, TransferRecorder())
     client.start()
     try:
         peer = f"tcp://127.0.0.1:{port}"
@@ -41,7 +42,10 @@ def test_requests_to_one_prefiller_in_one_step_share_one_message():
         assert [i.transfer_id for i in msg.items] == ["t0", "t1", "t2"]
         assert not router.poll(300)  # one message for all three
         for item in msg.items:
-            router.send_multipart([ident, encode(PullReply(msg.msg_id, item.transfer_id, ok=True))])
+            ok = PullReply(
+                msg.msg_id, item.transfer_id, ok=True, num_bytes=64, written=item.block_ids
+            )
+            router.send_multipart([ident, encode(ok)])
         deadline = time.monotonic() + 5
         done: set[str] = set()
         while len(done) < 3 and time.monotonic() < deadline:
@@ -64,7 +68,9 @@ def test_shutdown_is_prompt_and_joins_every_thread():
     w = P2pWorker(settings, "both", 16, 0, port, True, True)
     caches = {"l0": torch.zeros(16, 2, 32, 64, dtype=torch.bfloat16)}
     w.register_kv_caches(caches)
-    # A pull that will wait (unknown transfer, 30 s ready timeout) is in flight at shutdown.
+    # A pull that will wait (announced, never handed over, 30 s ready timeout) is parked
+    # at shutdown.
+    w.start_load_kv(P2pMetadata(expected=["never"]))
     w.start_load_kv(P2pMetadata(recv=[RecvTask("r", "never", "k", [[3]], "127.0.0.1", port)]))
     time.sleep(0.5)
     t0 = time.monotonic()

@@ -64,6 +64,7 @@ def test_prefiller_holds_blocks_and_returns_handle():
         "remote_port": 17100,
         "transfer_id": "p1",
         "remote_num_blocks": [3],
+        "remote_tp_size": 1,
     }
     meta = s.build_connector_meta()
     assert meta.send == {"p1": SendTask([[4, 5, 6]], secret)}
@@ -210,3 +211,56 @@ def test_empty_steps_are_paced_only_while_a_transfer_is_outstanding():
     assert timed(False) < 0.02  # a step with work is never delayed
     s.update_connector_output({"p"}, set())
     assert timed(True) < 0.02  # freed: no more pacing
+
+
+# --- hostile kv_transfer_params (vLLM copies them from client fields without a type check) ---
+
+HOSTILE = [
+    "do_remote_prefill",
+    ["do_remote_prefill", True],
+    42,
+    {"do_remote_prefill": "yes", **{k: v for k, v in REMOTE.items() if k != "do_remote_prefill"}},
+    {**REMOTE, "remote_port": True},
+    {**REMOTE, "transfer_id": ["x"]},
+    {**REMOTE, "transfer_secret": {"a": 1}},
+    {**REMOTE, "remote_host": "h" * 300},
+    {"do_remote_decode": "true"},
+]
+
+
+def test_hostile_params_never_raise_and_are_served_locally(caplog):
+    for role in (consumer(), producer()):
+        for i, params in enumerate(HOSTILE):
+            req = request(f"h{i}", 70, {"x": 1})
+            req.kv_transfer_params = params  # what vLLM does with vllm_xargs
+            assert role.get_num_new_matched_tokens(req, 0) == (0, False)
+            role.update_state_after_alloc(req, blocks(1, 2, 3), 0)
+            req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            assert role.request_finished(req, ([1, 2, 3],)) == (False, None)
+        meta = role.build_connector_meta()
+        assert meta.recv == [] and meta.send == {} and meta.expected == []
+    assert consumer().num_bad_params == 0
+
+
+def test_malformed_params_are_counted_and_logged_escaped_without_secrets(caplog):
+    s = consumer()
+    req = request("evil\nFORGED LINE \x1b[31m", 70, {"x": 1})
+    req.kv_transfer_params = "not a dict"
+    s.get_num_new_matched_tokens(req, 0)
+    s.get_num_new_matched_tokens(req, 0)  # scheduled again: warned once
+    assert s.num_bad_params == 1
+    partial = request("p", 70, {**REMOTE, "remote_port": "17100"})
+    s.update_state_after_alloc(partial, blocks(1, 2, 3), 64)
+    assert s.num_bad_params == 2
+    text = caplog.text
+    assert "\nFORGED" not in text and "\x1b" not in text
+    assert "s3cret" not in text and "<redacted>" in text
+
+
+def test_producer_announces_expected_requests_once():
+    s = producer()
+    req = request("p9", 70, {"do_remote_decode": True})
+    s.get_num_new_matched_tokens(req, 0)
+    s.get_num_new_matched_tokens(req, 0)
+    assert s.build_connector_meta().expected == ["p9"]
+    assert s.build_connector_meta().expected == []

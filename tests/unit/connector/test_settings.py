@@ -34,3 +34,19 @@ def test_explicit_host_is_used():
     assert s.side_channel_bind_host() == "10.1.2.3"
     s = ConnectorSettings.load({"host": "10.1.2.3", "bind_host": "0.0.0.0"}, env={})
     assert s.side_channel_bind_host() == "0.0.0.0"
+
+
+def test_booleans_parse_strictly():
+    """bool("false") is True: a naive cast would turn the digest check on by accident."""
+    assert ConnectorSettings.load({}, env={"PD_KV_VERIFY_DIGEST": "false"}).verify_digest is False
+    assert ConnectorSettings.load({"verify_digest": "on"}, env={}).verify_digest is True
+    assert ConnectorSettings.load({"verify_digest": True}, env={}).verify_digest is True
+    with pytest.raises(ValueError, match="boolean"):
+        ConnectorSettings.load({"verify_digest": "maybe"}, env={})
+
+
+def test_pull_budget_keeps_the_transfer_timeout_in_reserve():
+    s = ConnectorSettings.load({}, env={})
+    assert s.pull_budget_s() == 30 - (5 + 1)
+    short = ConnectorSettings.load({"pull_timeout_s": 3}, env={})
+    assert short.pull_budget_s() == pytest.approx(2.4)

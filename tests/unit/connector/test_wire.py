@@ -74,3 +74,29 @@ def test_wrong_field_types_refused():
 def test_garbage_only_raises_wire_error(data):
     with contextlib.suppress(WireError):
         decode_pull(data)
+
+
+def test_every_list_and_string_is_bounded():
+    """A hostile peer cannot make the decoder allocate without limit: caps refuse the message."""
+    from connector.wire import MAX_BLOCKS, MAX_ID_LEN, MAX_ITEMS
+
+    too_many_items = make_pull(items=[PullItem("t", "k", [[1]])] * (MAX_ITEMS + 1))
+    too_many_blocks = make_pull(items=[PullItem("t", "k", [[1] * (MAX_BLOCKS + 1)])])
+    long_id = make_pull(items=[PullItem("t" * (MAX_ID_LEN + 1), "k", [[1]])])
+    negative = make_pull(items=[PullItem("t", "k", [[-5]])])
+    for msg in (too_many_items, too_many_blocks, long_id, negative):
+        with pytest.raises(WireError):
+            decode_pull(encode(msg))
+
+
+def test_compat_mismatch_names_each_field():
+    from connector.wire import Compat
+
+    a = Compat(PROTOCOL_VERSION, "m", "bfloat16", "auto", 2, 2, 32, 1)
+    assert a.mismatch(a) == ""
+    b = Compat(PROTOCOL_VERSION, "other", "float16", "auto", 2, 2, 32, 1)
+    msg = a.mismatch(b)
+    assert "model 'm' here vs 'other'" in msg and "dtype" in msg and "head_size" not in msg
+    assert "no compatibility fingerprint" in a.mismatch(None)
+    with_compat = make_pull(compat=a, want_digest=True)
+    assert decode_pull(encode(with_compat)) == with_compat
