@@ -242,3 +242,89 @@ async def test_router_release_reaches_every_tp_rank():
     finally:
         for p in ranks:
             p.close()
+
+
+def test_frozen_decoder_does_not_stall_others_and_its_push_ends(prefiller, decoder):
+    """Item 8: a SIGSTOPped decoder used to hold a sender thread for as long as it was frozen.
+
+    The push to it must end within the engine's transfer timeout (5 s here), its blocks be
+    freed, and another decoder be served meanwhile.
+    """
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests.integration.test_push_pull import ROOT
+
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tests.integration.decoder_proc",
+            json.dumps({**CFG, "compat": COMPAT}),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        cwd=ROOT,
+        text=True,
+        env={**os.environ, "MC_LOG_LEVEL": "ERROR"},
+    )
+
+    def call(**cmd):
+        proc.stdin.write(json.dumps(cmd) + "\n")
+        proc.stdin.flush()
+        return json.loads(proc.stdout.readline())
+
+    try:
+        assert json.loads(proc.stdout.readline())["event"] == "ready"
+        # One transfer first: the engine's handshake with a new peer is not bounded by the
+        # transfer timeout (measured: ~61 s to a peer frozen before its first handshake,
+        # and other pushes wait behind it); this test covers a decoder frozen later.
+        prefiller.call(cmd="hold", transfer_id="t-warm", block_ids=[1])
+        call(
+            cmd="pull",
+            request_id="r-warm",
+            transfer_id="t-warm",
+            block_ids=[2],
+            port=prefiller.port,
+        )
+        deadline = time.monotonic() + 10
+        while "r-warm" not in call(cmd="results")["done"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        big = list(range(1, 61))  # ~11 MiB: more than the socket buffers take
+        prefiller.call(cmd="expect", transfer_id="t-frozen")
+        call(
+            cmd="pull",
+            request_id="r-frozen",
+            transfer_id="t-frozen",
+            block_ids=big,
+            port=prefiller.port,
+        )
+        time.sleep(0.5)  # the pull is parked on the prefiller
+        os.kill(proc.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        prefiller.call(cmd="hold", transfer_id="t-frozen", block_ids=big)
+        # Another decoder is served while the frozen one's push is stuck.
+        prefiller.call(cmd="hold", transfer_id="t-other", block_ids=[61])
+        assert pull(decoder, prefiller.port, "r-other", "t-other", [62], timeout=4)
+        other_s = time.monotonic() - t0
+        freed = []
+        while "t-frozen" not in freed and time.monotonic() - t0 < 20:
+            freed += prefiller.call(cmd="results")["finished_sending"]
+            time.sleep(0.2)
+        stuck_s = time.monotonic() - t0
+        assert "t-frozen" in freed, "the push to a frozen decoder never ended"
+        print(
+            f"\nother decoder served after {other_s:.2f}s; frozen push ended after {stuck_s:.1f}s"
+        )
+        assert stuck_s < 12  # engine transfer timeout 5 s + slack on a busy machine
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        try:
+            call(cmd="quit")
+            proc.wait(20)
+        except Exception:
+            proc.kill()
+            proc.wait(10)
