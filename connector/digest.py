@@ -1,4 +1,4 @@
-"""Opt-in end-to-end check of pushed KV bytes: a keyed BLAKE2b over what moved.
+"""Opt-in end-to-end check of pushed KV bytes: a keyed BLAKE3 hash over what moved.
 
 The transfer engine writes straight into the decoder's memory and checks nothing, so
 corruption on the path, or a write by anyone who can reach the engine's port, would be
@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Sequence
 
+import blake3
 import numpy as np
 import torch
 
@@ -56,11 +57,11 @@ class MemoryReader:
 def keyed_digest(
     reader: MemoryReader, secret: str, addrs: Sequence[int], lengths: Sequence[int]
 ) -> bytes:
-    key = hashlib.sha256(secret.encode()).digest()
-    h = hashlib.blake2b(key=key, digest_size=DIGEST_SIZE)
+    # BLAKE3's keyed mode (a MAC) takes exactly 32 key bytes.
+    h = blake3.blake3(key=hashlib.sha256(secret.encode()).digest())
     for addr, length in zip(addrs, lengths, strict=True):
         h.update(reader.read(int(addr), int(length)))
-    return h.digest()
+    return h.digest(DIGEST_SIZE)
 
 
 def written_segments(

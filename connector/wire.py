@@ -117,7 +117,7 @@ class PullReply(msgspec.Struct, frozen=True, tag="reply"):
     # Per group, the decoder slots that were written, in pairing order: the decoder checks
     # them against what it asked for and what the byte count implies.
     written: GroupSlots = msgspec.field(default_factory=list)
-    # Keyed BLAKE2b of the pushed bytes (empty unless the pull asked for it).
+    # Keyed BLAKE3 of the pushed bytes (empty unless the pull asked for it).
     digest: Annotated[bytes, msgspec.Meta(max_length=64)] = b""
 
 
