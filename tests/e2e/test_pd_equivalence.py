@@ -207,6 +207,9 @@ def test_hostile_transfer_params_cannot_stop_the_decoder(stack: Stack):
     the decoder (as a client on the decode-only paths could before the proxy stripped them)
     and through the proxy on a decode-only path (n=2). The decoder's connector must treat
     them as absent, never raise inside the scheduler; the engine keeps serving token-exact.
+    vLLM 0.32's own frontend answers a string there with a 500 before the engine sees it
+    (output_processor calls ``.get`` on it): only for that request, and only a client that
+    reaches the instance port directly, which the firewall rules forbid.
     """
     name, body = next(iter(completion_cases(stack.block_size).items()))
     with httpx.Client(timeout=120) as c:
@@ -216,7 +219,8 @@ def test_hostile_transfer_params_cannot_stop_the_decoder(stack: Stack):
                 if url == stack.proxy:
                     extra["n"] = 2  # decode-only path in the proxy
                 r = c.post(f"{url}/v1/completions", json={"model": stack.model, **body, **extra})
-                assert r.status_code in (200, 400), (bad, url, r.status_code, r.text[:300])
+                allowed = (200, 400) if url == stack.proxy else (200, 400, 500)
+                assert r.status_code in allowed, (bad, url, r.status_code, r.text[:300])
             assert c.get(f"{stack.decode}/health").status_code == 200
         r = c.post(f"{stack.proxy}/v1/completions", json={"model": stack.model, **body})
         assert r.status_code == 200 and answer_ids(r.json()) == stack.ref[name]
