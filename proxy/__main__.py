@@ -15,6 +15,7 @@ from proxy.settings import ProxySettings, parse_args
 async def serve(settings: ProxySettings) -> None:
     proxy = Proxy(settings)
     await proxy.start(settings.host, settings.port)
+    proxy.parser.warm()  # the big-body worker starts now, not on the first big body
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -10,28 +10,43 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
-import uuid
 from collections.abc import Coroutine
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from proxy.auth import backend_headers, bearer, client_allowed, key_ok
+from proxy.bodies import BodyParser, BodyReader
+from proxy.clientguard import ConnectionGuard, GuardedSite
 from proxy.disagg import DisaggRouter
 from proxy.errors import ProxyError, error_body
+from proxy.logsafe import ClientErrorFilter, get_logger, one_line_exception, request_id
 from proxy.metrics import ProxyMetrics
 from proxy.pool import Instance, Pool
 from proxy.settings import InstanceSpec, ProxySettings
-from proxy.upstream import Upstream
+from proxy.upstream import Overloaded, Upstream, describe
 
-logger = logging.getLogger("proxy.app")
+logger = get_logger("proxy.app")
+# aiohttp's server logs (malformed requests, connection errors) go through our filters.
+http_logger = get_logger("proxy.http", ClientErrorFilter((HttpProcessingError,)))
+
+# The request's id, decided once per request (web.RequestKey from aiohttp 3.12 on).
+_RID: Any = web.RequestKey("pd_request_id", str) if hasattr(web, "RequestKey") else "pd_rid"
+ADMIN_MAX_BODY = 64 * 1024
 
 
 def _request_id(request: web.Request) -> str:
-    rid = request.headers.get("x-request-id", "").strip()
-    return rid[:128] if rid else uuid.uuid4().hex
+    """The request's id, decided once: the client's X-Request-Id if it is safe (short,
+    ``[A-Za-z0-9._:-]``), else a generated one (the response carries it either way)."""
+    rid = request.get(_RID)
+    if rid is None:
+        rid, accepted = request_id(request.headers.get("x-request-id"))
+        request[_RID] = rid
+        if not accepted and "x-request-id" in request.headers:
+            logger.debug("replaced an unsafe X-Request-Id with %s", rid)
+    return rid
 
 
 def _json_error(status: int, message: str, rid: str | None = None, code: str | None = None):
@@ -59,7 +74,15 @@ class Proxy:
             s.breaker,
             load_factor=s.prefix_load_factor,
         )
-        self.metrics = ProxyMetrics(lambda: [*self.prefill.instances, *self.decode.instances])
+        self.guard = ConnectionGuard(
+            s.limits.max_connections, s.limits.header_timeout_s, self._limit_hit
+        )
+        self.metrics = ProxyMetrics(
+            lambda: [*self.prefill.instances, *self.decode.instances],
+            client_connections=lambda: self.guard.active,
+        )
+        self.bodies = BodyReader(s.limits, self._limit_hit)
+        self.parser = BodyParser(s.limits)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._health_task: asyncio.Task[None] | None = None
         self.upstream: Upstream | None = None
@@ -72,6 +95,9 @@ class Proxy:
 
     # -- lifetime -----------------------------------------------------------------------
 
+    def _limit_hit(self, limit: str) -> None:
+        self.metrics.limit_hits.labels(limit).inc()
+
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         """Run a background task owned by the proxy (cancelled at shutdown)."""
         task = asyncio.get_running_loop().create_task(coro)
@@ -82,7 +108,14 @@ class Proxy:
         s = self.settings
         self.upstream = Upstream(s.timeouts, s.max_connections)
         self.router = DisaggRouter(
-            s, self.upstream, self.metrics, self.prefill, self.decode, self.spawn
+            s,
+            self.upstream,
+            self.metrics,
+            self.prefill,
+            self.decode,
+            self.spawn,
+            self.bodies,
+            self.parser,
         )
         if s.health.interval_s > 0:
             self._health_task = asyncio.get_running_loop().create_task(self._health_loop())
@@ -98,13 +131,19 @@ class Proxy:
                 t.cancel()
         if self.upstream is not None:
             await self.upstream.aclose()
+        await self.parser.aclose()
 
     async def start(self, host: str, port: int) -> None:
         self._runner = web.AppRunner(
-            self.app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0
+            self.app,
+            handler_cancellation=True,
+            access_log=None,
+            shutdown_timeout=1.0,
+            keepalive_timeout=self.settings.limits.keepalive_timeout_s,
+            logger=http_logger,
         )
         await self._runner.setup()
-        self._site = web.TCPSite(self._runner, host, port, backlog=1024, reuse_address=True)
+        self._site = GuardedSite(self._runner, host, port, self.guard, backlog=1024)
         await self._site.start()
         logger.info(
             "proxy listening on http://%s:%d (P: %s; D: %s)",
@@ -124,6 +163,11 @@ class Proxy:
         self.shutting_down = True
         if self._site is not None:
             await self._site.stop()  # closes the listening socket
+        # Connections with no request being served (idle, or still sending headers) and
+        # requests still sending their body hold nothing upstream: they go now, so a slow
+        # client cannot stretch the shutdown.
+        self.guard.close_waiting()
+        self.bodies.cancel_reads()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace
         busy = self.router.inflight if self.router else 0
@@ -153,7 +197,7 @@ class Proxy:
             status, _ = await self.upstream.get(inst.url, "/health", {}, h.timeout_s)
             err = None if status == 200 else f"/health answered {status}"
         except Exception as exc:  # any failure of the check is a failed check
-            err = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            err = describe(exc)
         self.apply_check(inst, err)
 
     def apply_check(self, inst: Instance, err: str | None) -> None:
@@ -178,7 +222,10 @@ class Proxy:
     # -- HTTP ---------------------------------------------------------------------------
 
     def _build_app(self) -> web.Application:
-        app = web.Application(middlewares=[self._errors], client_max_size=64 * 1024 * 1024)
+        app = web.Application(
+            middlewares=[self.guard.middleware, self._errors],
+            client_max_size=self.settings.limits.max_body_bytes,
+        )
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
         r = app.router
@@ -195,21 +242,37 @@ class Proxy:
 
     @web.middleware
     async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
+        rid = _request_id(request)
         try:
             return await handler(request)
         except ProxyError as exc:
-            return web.json_response(
-                exc.body, status=exc.status, headers={"x-request-id": _request_id(request)}
+            resp = web.json_response(
+                exc.body, status=exc.status, headers={**exc.headers, "x-request-id": rid}
             )
+            if exc.hangup:
+                await self._answer_and_close(request, resp)
+            elif exc.close:
+                resp.force_close()
+            return resp
         except web.HTTPException as exc:
             if exc.status >= 400:
-                return _json_error(exc.status, exc.reason)
+                return _json_error(exc.status, exc.reason, rid)
             raise
         except (asyncio.CancelledError, ConnectionResetError):
             raise
         except Exception as exc:
-            logger.exception("request %s failed unexpectedly", _request_id(request))
-            return _json_error(500, f"proxy internal error: {type(exc).__name__}")
+            logger.error("request %s failed unexpectedly: %s", rid, one_line_exception(exc))
+            return _json_error(500, f"proxy internal error: {type(exc).__name__}", rid)
+
+    async def _answer_and_close(self, request: web.Request, resp: web.StreamResponse) -> None:
+        """Send ``resp`` now and close the connection (the client's body is unread or it
+        is too slow: no lingering read of the rest, no keep-alive)."""
+        resp.force_close()
+        with contextlib.suppress(ConnectionError):
+            async with asyncio.timeout(self.settings.limits.write_timeout_s):
+                await resp.prepare(request)
+                await resp.write_eof()
+        request.protocol.force_close()
 
     def _auth(self, request: web.Request) -> None:
         if not client_allowed(request.headers, self.settings.api_keys):
@@ -235,11 +298,18 @@ class Proxy:
         hdrs = backend_headers(request.headers, rid, s.backend_auth, s.backend_key)
         try:
             status, content = await self.upstream.get(
-                inst.url, "/v1/models", hdrs, s.timeouts.connect_s * 2
+                inst.url, "/v1/models", hdrs, s.timeouts.connect_s * 2, leg="decode"
             )
+        except Overloaded as exc:
+            raise exc.error from None
         except Exception as exc:
-            raise ProxyError(502, f"decode instance {inst.url} failed: {exc!r}") from exc
-        return web.Response(body=content, status=status, content_type="application/json")
+            raise ProxyError(502, f"decode instance {inst.url} failed: {describe(exc)}") from exc
+        return web.Response(
+            body=content,
+            status=status,
+            content_type="application/json",
+            headers={"x-request-id": rid},
+        )
 
     async def _health(self, request: web.Request) -> web.StreamResponse:
         return web.json_response({"status": "ok"})
@@ -278,8 +348,11 @@ class Proxy:
     async def _admin_args(self, request: web.Request) -> dict[str, Any]:
         args: dict[str, Any] = dict(request.query)
         if request.can_read_body:
+            raw = await self.bodies.read(request, ADMIN_MAX_BODY)
             try:
-                data = json.loads(await request.read())
+                data = json.loads(raw)
+            except RecursionError as exc:
+                raise ProxyError(400, "body is nested too deeply") from exc
             except ValueError as exc:
                 raise ProxyError(400, f"body is not valid JSON: {exc}") from exc
             if not isinstance(data, dict):
@@ -297,16 +370,20 @@ class Proxy:
         self._admin(request)
         a = await self._admin_args(request)
         pool = self._pool(a.get("role"))
+        # Validate everything (InstanceSpec checks URL, weight, side channel) before the
+        # pool changes; Pool.add is atomic itself.
         try:
             spec = InstanceSpec(
-                str(a.get("url", "")), float(a.get("weight", 1.0)), a.get("side_channel")
+                _admin_str(a.get("url", ""), "url"),
+                _admin_weight(a.get("weight", 1.0)),
+                a.get("side_channel"),
             )
             inst = pool.add(spec)
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, OverflowError) as exc:
             raise ProxyError(400, str(exc)) from exc
         if self.upstream is not None and self.settings.health.interval_s > 0:
             self.spawn(self._check(inst))
-        logger.info("admin: added %s instance %s", pool.role, spec.url)
+        logger.info("admin: added %s instance %s (weight %g)", pool.role, spec.url, spec.weight)
         return web.json_response(inst.as_dict(), status=201)
 
     async def _admin_remove(self, request: web.Request) -> web.StreamResponse:
@@ -314,7 +391,9 @@ class Proxy:
         a = await self._admin_args(request)
         pool = self._pool(a.get("role"))
         try:
-            inst = pool.remove(str(a.get("url", "")))
+            inst = pool.remove(_admin_str(a.get("url", ""), "url"))
+        except ValueError as exc:
+            raise ProxyError(400, str(exc)) from exc
         except KeyError as exc:
             raise ProxyError(404, f"no {pool.role} instance {a.get('url')!r}") from exc
         logger.info(
@@ -324,6 +403,24 @@ class Proxy:
             inst.inflight,
         )
         return web.json_response(inst.as_dict(), status=202)
+
+
+def _admin_str(value: Any, name: str) -> str:
+    if not isinstance(value, str) or len(value) > 2048:
+        raise ValueError(f"'{name}' must be a string of at most 2048 characters")
+    return value
+
+
+def _admin_weight(value: Any) -> float:
+    """A number or a numeric string (query parameters); never a boolean."""
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise ValueError(f"'weight' must be a number: {value!r}")
+    try:
+        if isinstance(value, str) and len(value) > 32:
+            raise ValueError
+        return float(value)
+    except (ValueError, OverflowError):
+        raise ValueError("'weight' must be a number") from None
 
 
 PROXY_KEY = web.AppKey("proxy", Proxy)

@@ -6,7 +6,12 @@ prefiller, a decoder that fails before its first body byte on another decoder (s
 SSE error event. A client that hangs up cancels the handler task: the upstream
 connection in use is closed (vLLM aborts the request), and if a prefill had already
 handed its KV over with no decoder started on it, the prefiller is told to free the
-blocks at once.
+blocks at once, on every TP rank. A client that stops reading is dropped after
+``limits.write_timeout_s`` the same way.
+
+The transfer secret the prefiller returns goes to the decoder and the release only: it is
+never logged, and scrubbed from a decoder's error answer before that reaches a log or
+the client.
 """
 
 from __future__ import annotations
@@ -22,21 +27,17 @@ from typing import Any
 from aiohttp import web
 
 from proxy.auth import backend_headers
+from proxy.bodies import BodyParser, BodyReader
+from proxy.clientguard import WriteDeadline
 from proxy.errors import ProxyError, error_body, from_upstream
+from proxy.logsafe import escape, get_logger, redact
 from proxy.metrics import ProxyMetrics
 from proxy.pool import Instance, Pool
-from proxy.rewrite import (
-    check_fidelity,
-    decode_body,
-    estimate_prompt_tokens,
-    prefill_body,
-    prefix_key,
-    validate_body,
-)
+from proxy.rewrite import PlanOptions, with_kv
 from proxy.settings import ProxySettings
-from proxy.upstream import IdleTimeout, Upstream, UpstreamFailure, UpstreamStream
+from proxy.upstream import IdleTimeout, Overloaded, Upstream, UpstreamFailure, UpstreamStream
 
-logger = logging.getLogger("proxy.request")
+logger = get_logger("proxy.request")
 
 PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 _SSE_HEADERS = {"content-type": "text/event-stream", "cache-control": "no-cache"}
@@ -62,6 +63,7 @@ class Trace:
     outcome: str = "unknown"
     status: int = 200
     phase: str = "start"
+    counted: bool = False  # in DisaggRouter.inflight
 
     def line(self) -> str:
         def ms(v: float | None) -> float | None:
@@ -97,6 +99,8 @@ class DisaggRouter:
         prefill: Pool,
         decode: Pool,
         spawn: Callable[[Any], None],
+        bodies: BodyReader,
+        parser: BodyParser,
     ) -> None:
         self._s = settings
         self._up = upstream
@@ -104,13 +108,21 @@ class DisaggRouter:
         self.prefill = prefill
         self.decode = decode
         self._spawn = spawn
+        self._bodies = bodies
+        self._parser = parser
+        keyed = "prefix" in (settings.prefill_policy, settings.decode_policy)
+        self._plan_opts = PlanOptions(
+            settings.chars_per_token,
+            settings.prefix_chars if keyed else 0,
+            settings.min_prefill_tokens,
+        )
+        # Requests being served (body received): what a graceful shutdown waits for.
         self.inflight = 0
 
     async def handle(
         self, request: web.Request, endpoint: str, request_id: str
     ) -> web.StreamResponse:
         tr = Trace(request_id, endpoint)
-        self.inflight += 1
         try:
             return await self._serve(request, tr)
         except ProxyError as exc:
@@ -119,52 +131,55 @@ class DisaggRouter:
                 tr.outcome = f"error_{exc.status}"
             raise
         except asyncio.CancelledError:
-            tr.outcome = "client_gone"
+            if tr.outcome != "client_write_timeout":
+                tr.outcome = "client_gone"
+                self._m.client_disconnects.labels(tr.phase).inc()
             tr.status = 499
-            self._m.client_disconnects.labels(tr.phase).inc()
             raise
         finally:
-            self.inflight -= 1
+            if tr.counted:
+                self.inflight -= 1
             self._m.requests.labels(endpoint, tr.outcome).inc()
             if logger.isEnabledFor(logging.INFO):
                 logger.info("request %s", tr.line())
 
     async def _serve(self, request: web.Request, tr: Trace) -> web.StreamResponse:
         endpoint = tr.endpoint
-        try:
-            body = json.loads(await request.read())
-        except ValueError as exc:
+        tr.phase = "body"
+        raw = await self._bodies.read(request)
+        # Counted from here: a client still sending its body does not hold up a shutdown.
+        self.inflight += 1
+        tr.counted = True
+        plan = await self._parser.plan(raw, endpoint, self._plan_opts)
+        del raw  # the plan holds the legs' bodies; the client's bytes can go
+        if plan.error is not None:
             tr.outcome = "bad_request"
-            raise ProxyError(400, f"request body is not valid JSON: {exc}") from exc
-        reason = validate_body(body, endpoint)
-        bad, alone = check_fidelity(body, endpoint) if reason is None else (reason, None)
-        if bad:
-            tr.outcome = "bad_request"
-            raise ProxyError(400, bad)
+            raise ProxyError(400, plan.error)
         s = self._s
         path = PATHS[endpoint]
         headers = backend_headers(request.headers, tr.request_id, s.backend_auth, s.backend_key)
-        tokens = tr.prompt_tokens = estimate_prompt_tokens(body, endpoint, s.chars_per_token)
-        key = None
-        if "prefix" in (s.prefill_policy, s.decode_policy):
-            key = prefix_key(body, endpoint, s.prefix_chars)
-        if alone is None and s.min_prefill_tokens and tokens < s.min_prefill_tokens:
-            alone = "short_prompt"
+        tokens = tr.prompt_tokens = plan.tokens
+        key = plan.key
+        alone = plan.alone
         if alone is None and not self.prefill.has_eligible():
             alone = "no_prefiller"
         kv: dict[str, Any] | None = None
         if alone is None:
+            assert plan.prefill is not None
             tr.phase = "prefill"
-            kv = await self._prefill(tr, body, path, headers, tokens, key)
+            kv = await self._prefill(tr, plan.prefill, path, headers, tokens, key)
         else:
             tr.fallback = alone
             self._m.fallbacks.labels(alone).inc()
         tr.phase = "between_legs"
-        d_data = json.dumps(decode_body(body, kv)).encode()
-        stream = bool(body.get("stream"))
+        d_data = with_kv(plan.decode, kv)
+        stream = plan.stream
+        secret = kv.get("transfer_secret") if kv else None
         first_byte = False
         try:
-            inst, lease, got = await self._decode(tr, path, d_data, headers, tokens, key, stream)
+            inst, lease, got = await self._decode(
+                tr, path, d_data, headers, tokens, key, stream, secret
+            )
             first_byte = True
         finally:
             if kv is not None and not first_byte:
@@ -175,27 +190,48 @@ class DisaggRouter:
             lease.release()
             tr.ttft_s = time.perf_counter() - tr.t0
             self._observe_first(tr)
-            tr.outcome = "ok"
-            return web.Response(
+            resp = web.Response(
                 body=content,
                 status=status,
                 content_type=ctype or "application/json",
                 headers={"x-request-id": tr.request_id},
             )
+            wd = self._write_deadline(request, tr)
+            try:
+                await wd.prepare(resp, request)
+                await wd.write_eof(resp)
+                tr.outcome = "ok"
+            except ConnectionResetError:
+                tr.outcome, tr.status = "client_gone", 499
+                self._m.client_disconnects.labels("response").inc()
+            finally:
+                wd.close()
+            return resp
         return await self._relay(request, tr, got, lease, inst)
+
+    def _write_deadline(self, request: web.Request, tr: Trace) -> WriteDeadline:
+        def expired() -> None:
+            tr.outcome = "client_write_timeout"
+            self._m.limit_hits.labels("write_timeout").inc()
+            logger.warning(
+                "request %s: client did not read its response for %gs; dropped",
+                tr.request_id,
+                self._s.limits.write_timeout_s,
+            )
+
+        return WriteDeadline(request, self._s.limits.write_timeout_s, expired)
 
     # -- prefill ------------------------------------------------------------------------
 
     async def _prefill(
         self,
         tr: Trace,
-        body: dict[str, Any],
+        data: bytes,
         path: str,
         headers: dict[str, str],
         tokens: int,
         key: bytes | None,
     ) -> dict[str, Any] | None:
-        data = json.dumps(prefill_body(body, tr.endpoint)).encode()
         tried: list[Instance] = []
         last: ProxyError | None = None
         last_kind = ""
@@ -213,6 +249,10 @@ class DisaggRouter:
                 status, content, _ = await self._up.post(
                     "prefill", inst.url, path, data, headers, self._s.timeouts.prefill_s
                 )
+            except Overloaded as o:
+                self._overloaded(inst)
+                last, last_kind = o.error, "overloaded"
+                continue
             except UpstreamFailure as f:
                 inst.breaker.failure()
                 self._leg_failed(tr, "prefill", inst, f.kind, f.error, tried)
@@ -263,6 +303,7 @@ class DisaggRouter:
         tokens: int,
         key: bytes | None,
         stream: bool,
+        secret: str | None = None,
     ):
         tried: list[Instance] = []
         last: ProxyError | None = None
@@ -289,6 +330,10 @@ class DisaggRouter:
                     )
                     status, content = got[0], got[1]
                 ok = status == 200
+            except Overloaded as o:
+                self._overloaded(inst)
+                last, last_kind = o.error, "overloaded"
+                continue
             except UpstreamFailure as f:
                 inst.breaker.failure()
                 self._leg_failed(tr, "decode", inst, f.kind, f.error, tried)
@@ -298,6 +343,8 @@ class DisaggRouter:
                 tr.upstream_wait_s += time.perf_counter() - t
                 if not ok:
                     lease.release()
+            if status != 200 and secret:  # a decoder echoing its request: scrub the secret
+                content = redact(content, secret)
             if status >= 500:
                 inst.breaker.failure()
                 last, last_kind = from_upstream("decode", status, content), str(status)
@@ -313,6 +360,11 @@ class DisaggRouter:
         if last is None:
             raise ProxyError(503, "no decode instance available", "no_instance")
         raise last
+
+    def _overloaded(self, inst: Instance) -> None:
+        """The proxy's own slots to ``inst`` stayed full: not the instance's failure."""
+        inst.breaker.release_trial()
+        self._m.limit_hits.labels("upstream_pool").inc()
 
     def _leg_failed(
         self, tr: Trace, leg: str, inst: Instance, kind: str, err: ProxyError, tried: list
@@ -349,9 +401,11 @@ class DisaggRouter:
         resp = web.StreamResponse(headers={**_SSE_HEADERS, "x-request-id": tr.request_id})
         observe_gap = self._m.inter_chunk_seconds.observe
         clock = time.perf_counter
+        wd = self._write_deadline(request, tr)
+        write = wd.write
         try:
-            await resp.prepare(request)
-            await resp.write(up.first)
+            await wd.prepare(resp, request)
+            await write(resp, up.first)
             last = clock()
             tr.ttft_s = last - tr.t0
             self._observe_first(tr)
@@ -360,13 +414,13 @@ class DisaggRouter:
                     now = clock()
                     observe_gap(now - last)
                     last = now
-                    await resp.write(chunk)
+                    await write(resp, chunk)
                 tr.outcome = "ok"
             except IdleTimeout:
                 tr.outcome = "stream_timeout"
                 self._m.upstream_errors.labels("decode", "idle_timeout").inc()
                 msg = f"decode instance {inst.url} went silent for {self._s.timeouts.idle_s:g}s"
-                await resp.write(_sse_error(504, msg))
+                await write(resp, _sse_error(504, msg))
             except ConnectionResetError:
                 raise
             except Exception as exc:  # the decoder broke the stream
@@ -374,13 +428,15 @@ class DisaggRouter:
                     raise
                 tr.outcome = "stream_error"
                 self._m.upstream_errors.labels("decode", "stream_broken").inc()
-                await resp.write(_sse_error(502, f"decode instance {inst.url} broke the stream"))
-            await resp.write_eof()
+                await write(resp, _sse_error(502, f"decode instance {inst.url} broke the stream"))
+            await wd.write_eof(resp)
         except ConnectionResetError:
-            tr.outcome = "client_gone"
+            if tr.outcome != "client_write_timeout":
+                tr.outcome = "client_gone"
+                self._m.client_disconnects.labels("decode_stream").inc()
             tr.status = 499
-            self._m.client_disconnects.labels("decode_stream").inc()
         finally:
+            wd.close()
             up.close()
             lease.release()
         return resp
@@ -388,17 +444,23 @@ class DisaggRouter:
     # -- between legs -------------------------------------------------------------------
 
     def _release_kv(self, tr: Trace, kv: dict[str, Any]) -> None:
+        """Free the prefiller's held blocks on every TP rank (``remote_tp_size`` in the
+        params; each rank holds its share). Only error texts are logged, secret scrubbed."""
         timeout = self._s.release_timeout_s
+        secret = kv.get("transfer_secret")
 
         async def release() -> None:
-            from connector.release import release_remote
+            from connector.release import release_all_ranks
 
-            err = await release_remote(kv, timeout_s=timeout)
-            self._m.kv_releases.labels("ok" if err is None else "failed").inc()
-            if err is None:
+            errors = await release_all_ranks(kv, timeout_s=timeout)
+            self._m.kv_releases.labels("failed" if errors else "ok").inc()
+            if not errors:
                 logger.info("request %s: released held KV on the prefiller", tr.request_id)
             else:
-                logger.warning("request %s: KV release failed: %s", tr.request_id, err)
+                text = "; ".join(errors)
+                if isinstance(secret, str) and secret:
+                    text = text.replace(secret, "<redacted>")
+                logger.warning("request %s: KV release failed: %s", tr.request_id, escape(text))
 
         self._spawn(release())
 

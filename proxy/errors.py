@@ -33,14 +33,31 @@ def error_body(
 
 
 class ProxyError(Exception):
-    """Ends a request with an OpenAI-style JSON error."""
+    """Ends a request with an OpenAI-style JSON error.
+
+    ``close``: no keep-alive after the answer (aiohttp still drains an unread body for
+    its lingering time, so a client that is still sending can read the answer);
+    ``hangup``: close the connection as soon as the answer is written (a client too slow
+    to send its body gets no lingering); ``headers``: extra headers (e.g. Retry-After).
+    """
 
     def __init__(
-        self, status: int, message: str, code: str | None = None, body: dict[str, Any] | None = None
+        self,
+        status: int,
+        message: str,
+        code: str | None = None,
+        body: dict[str, Any] | None = None,
+        *,
+        close: bool = False,
+        hangup: bool = False,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.body = body if body is not None else error_body(status, message, code)
+        self.close = close or hangup
+        self.hangup = hangup
+        self.headers = headers or {}
 
 
 def from_upstream(leg: str, status: int, content: bytes) -> ProxyError:

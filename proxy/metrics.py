@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -69,7 +69,11 @@ class _InstanceCollector(Collector):
 
 
 class ProxyMetrics:
-    def __init__(self, instances: Callable[[], Iterable[Instance]] | None = None) -> None:
+    def __init__(
+        self,
+        instances: Callable[[], Iterable[Instance]] | None = None,
+        client_connections: Callable[[], float] | None = None,
+    ) -> None:
         r = self.registry = CollectorRegistry()
         self.requests = Counter(
             "pd_proxy_requests",
@@ -105,7 +109,8 @@ class ProxyMetrics:
         )
         self.client_disconnects = Counter(
             "pd_proxy_client_disconnects",
-            "Clients that hung up, by phase (prefill, between_legs, decode_stream)",
+            "Clients that hung up, by phase (body, prefill, between_legs, decode_first_byte,"
+            " decode_stream, response)",
             ["phase"],
             registry=r,
         )
@@ -136,5 +141,16 @@ class ProxyMetrics:
             buckets=_FAST_BUCKETS,
             registry=r,
         )
+        self.limit_hits = Counter(
+            "pd_proxy_limit_hits",
+            "Requests or connections stopped by a hardening limit (connections, header_timeout,"
+            " body_timeout, body_size, write_timeout, upstream_pool)",
+            ["limit"],
+            registry=r,
+        )
+        if client_connections is not None:
+            Gauge(
+                "pd_proxy_client_connections", "Client connections open", registry=r
+            ).set_function(client_connections)
         if instances is not None:
             r.register(_InstanceCollector(instances))

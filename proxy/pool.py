@@ -57,6 +57,12 @@ class CircuitBreaker:
     def success(self) -> None:
         self._state, self._failures, self._trial_out = self.CLOSED, 0, False
 
+    def release_trial(self) -> None:
+        """No verdict (e.g. the proxy's own connection pool was full): a half-open trial
+        goes back unused instead of blocking the instance until the next verdict."""
+        if self._state == self.HALF_OPEN:
+            self._trial_out = False
+
     def failure(self) -> None:
         self._failures += 1
         if self.state == self.HALF_OPEN or self._failures >= self._s.failures:
@@ -192,14 +198,17 @@ class Pool:
         return self._by_url.get(url.rstrip("/"))
 
     def add(self, spec: InstanceSpec) -> Instance:
+        """Atomic: everything that can fail (duplicate, the new ring) happens before the
+        pool changes, so a refused add leaves no half-added instance behind."""
         old = self._by_url.get(spec.url)
         if old is not None and not old.draining:
             raise ValueError(f"{self.role} instance {spec.url} already exists")
         inst = Instance(spec, self.role, CircuitBreaker(self._breaker, self._clock))
         if old is not None:  # re-added while draining: keep its in-flight counts
             inst.inflight, inst.inflight_tokens = old.inflight, old.inflight_tokens
-        self._by_url[spec.url] = inst
-        self._rebuild_ring()
+        members = {**self._by_url, spec.url: inst}
+        ring = self._ring_of(members.values())
+        self._by_url, self._ring = members, ring
         self._on_change(inst)
         return inst
 
@@ -286,14 +295,17 @@ class Pool:
         return best
 
     def _rebuild_ring(self) -> None:
+        self._ring = self._ring_of(self._by_url.values())
+
+    def _ring_of(self, instances: Iterable[Instance]) -> _Ring:
         pts: list[tuple[int, str]] = []
-        for inst in self._by_url.values():
+        for inst in instances:
             if inst.draining:
                 continue
             n = max(1, round(self.VNODES * inst.weight))
             pts += [(_h64(f"{inst.url}#{v}".encode()), inst.url) for v in range(n)]
         pts.sort()
-        self._ring = _Ring([p for p, _ in pts], [u for _, u in pts])
+        return _Ring([p for p, _ in pts], [u for _, u in pts])
 
     def _prefix(self, cands: list[Instance], key: bytes | None) -> Instance:
         """Consistent hashing with bounded loads: the key's owner on the ring, unless it

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import Sequence
 
 import httpx
 
-logger = logging.getLogger("proxy.readiness")
+from proxy.logsafe import get_logger
+
+logger = get_logger("proxy.readiness")
 
 
 async def wait_for_backends(

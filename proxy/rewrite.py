@@ -2,16 +2,33 @@
 
 The prefill leg must end as FINISHED_LENGTH_CAPPED after exactly one token, or the
 prefiller does not hand its KV over; so everything that could end it earlier, ask for
-more work, or change its shape is removed. The decode leg is the client's request
-untouched, plus the ``kv_transfer_params`` the prefiller returned.
+more work, or change its shape is removed. The decode leg is the client's request,
+plus the ``kv_transfer_params`` the prefiller returned.
+
+Transfer fields are the proxy's alone. vLLM (0.32, ``entrypoints/openai/*/protocol.py``
+``to_sampling_params``) builds ``SamplingParams.extra_args`` from the client's
+``vllm_xargs`` and then sets ``kv_transfer_params`` / ``ec_transfer_params`` in it from
+the top-level fields when those are set; ``Request`` reads the connector's params from
+``extra_args["kv_transfer_params"]``. So a client can name them at the top level or
+inside ``vllm_xargs`` (whose values may be strings, numbers or lists: a string is
+accepted and handed to the connector as is). :func:`strip_transfer_fields` removes both
+spellings on every leg, disaggregated or decode-only.
+
+:func:`plan_request` is the whole CPU-bound part of a request (parse, validate, rewrite,
+serialise), pure so that a big body can run it in a worker process.
 """
 
 from __future__ import annotations
 
+import json
 import math
+from dataclasses import dataclass
 from typing import Any
 
 Body = dict[str, Any]
+
+# Request fields vLLM hands to a KV / encoder-cache connector (top level or in vllm_xargs).
+TRANSFER_FIELDS = ("kv_transfer_params", "ec_transfer_params")
 
 # Fields that only shape the sampled output, never the prompt's KV: the prefill leg drops
 # them (stop conditions could end the one token early; the rest is wasted work).
@@ -38,9 +55,24 @@ _PREFILL_DROP = (
 )
 
 
+def strip_transfer_fields(body: Body) -> Body:
+    """A copy of ``body`` without any client-supplied transfer field, wherever vLLM
+    would read one: top level, or a key of ``vllm_xargs`` (emptied ``vllm_xargs`` goes).
+    Call after :func:`validate_body` (``vllm_xargs``, when present, is an object)."""
+    out = {k: v for k, v in body.items() if k not in TRANSFER_FIELDS}
+    xargs = out.get("vllm_xargs")
+    if isinstance(xargs, dict) and any(k in xargs for k in TRANSFER_FIELDS):
+        clean = {k: v for k, v in xargs.items() if k not in TRANSFER_FIELDS}
+        if clean:
+            out["vllm_xargs"] = clean
+        else:
+            del out["vllm_xargs"]
+    return out
+
+
 def prefill_body(body: Body, endpoint: str) -> Body:
     """The client's request reduced to a one-token, non-streaming prefill."""
-    out = {k: v for k, v in body.items() if k not in _PREFILL_DROP}
+    out = {k: v for k, v in strip_transfer_fields(body).items() if k not in _PREFILL_DROP}
     if endpoint == "chat" and "max_completion_tokens" in body:
         out["max_completion_tokens"] = 1
         out.pop("max_tokens", None)
@@ -58,11 +90,10 @@ def prefill_body(body: Body, endpoint: str) -> Body:
 def decode_body(body: Body, kv_transfer_params: dict[str, Any] | None) -> Body:
     """The client's request, with the prefiller's KV handle when there is one.
 
-    A client-supplied ``kv_transfer_params`` is never forwarded: it would let a caller
-    point the decoder at an arbitrary host.
+    Client-supplied transfer fields are never forwarded: they would let a caller point
+    the decoder's connector at an arbitrary host or another request's blocks.
     """
-    out = dict(body)
-    out.pop("kv_transfer_params", None)
+    out = strip_transfer_fields(body)
     if kv_transfer_params:
         out["kv_transfer_params"] = kv_transfer_params
     return out
@@ -80,6 +111,8 @@ def validate_body(body: Any, endpoint: str) -> str | None:
         return "'prompt' is required"
     if "stream" in body and not isinstance(body["stream"], bool):
         return "'stream' must be a boolean"
+    if body.get("vllm_xargs") is not None and not isinstance(body["vllm_xargs"], dict):
+        return "'vllm_xargs' must be an object"
     return None
 
 
@@ -164,3 +197,68 @@ def prefix_key(body: Body, endpoint: str, chars: int) -> bytes:
                 out.append(p[0][:left])
                 left -= len(p[0])
     return "\x1f".join(out).encode("utf-8", "surrogatepass")
+
+
+# -- the whole request, in one pure step ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    chars_per_token: float = 4.0
+    # Characters (or token ids) of the prefix-affinity key; 0: no key needed.
+    prefix_chars: int = 0
+    min_prefill_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the request path needs from a body: small, cheap to send between processes."""
+
+    error: str | None = None  # a 400 reason; nothing else is set then
+    alone: str | None = None  # decode-only, and why (n, prompt_logprobs, short_prompt)
+    stream: bool = False
+    tokens: int = 0
+    key: bytes | None = None
+    prefill: bytes | None = None  # the prefill leg's body (None when decode-only)
+    decode: bytes = b""  # the decode leg's body, transfer fields stripped, no handle yet
+
+
+def plan_request(raw: bytes, endpoint: str, opts: PlanOptions) -> Plan:
+    """Parse, validate and rewrite one request body. Never raises for client input:
+    invalid JSON, a body nested deeper than the interpreter's recursion limit, or a bad
+    field is a :attr:`Plan.error`."""
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        return Plan(error="request body is nested too deeply")
+    except ValueError as exc:  # includes invalid UTF-8
+        return Plan(error=f"request body is not valid JSON: {exc}")
+    reason = validate_body(body, endpoint)
+    alone: str | None = None
+    if reason is None:
+        reason, alone = check_fidelity(body, endpoint)
+    if reason is not None:
+        return Plan(error=reason)
+    clean = strip_transfer_fields(body)
+    tokens = estimate_prompt_tokens(clean, endpoint, opts.chars_per_token)
+    key = prefix_key(clean, endpoint, opts.prefix_chars) if opts.prefix_chars else None
+    if alone is None and opts.min_prefill_tokens and tokens < opts.min_prefill_tokens:
+        alone = "short_prompt"
+    try:
+        p_data = None if alone else json.dumps(prefill_body(clean, endpoint)).encode()
+        d_data = json.dumps(clean).encode()
+    except (RecursionError, ValueError):
+        return Plan(error="request body is nested too deeply")
+    return Plan(None, alone, bool(clean.get("stream")), tokens, key, p_data, d_data)
+
+
+def with_kv(decode: bytes, kv_transfer_params: dict[str, Any] | None) -> bytes:
+    """The decode leg's serialised body plus the prefiller's handle, without parsing or
+    re-serialising the (possibly large) body: ``decode`` is a JSON object that has no
+    ``kv_transfer_params`` key (:func:`plan_request` made it)."""
+    if not kv_transfer_params:
+        return decode
+    assert decode.startswith(b"{") and decode.endswith(b"}")
+    sep = b"," if decode != b"{}" else b""
+    kv = json.dumps(kv_transfer_params).encode()
+    return decode[:-1] + sep + b'"kv_transfer_params":' + kv + b"}"

@@ -8,6 +8,7 @@ Precedence: command line > config file (YAML or TOML, ``--config``) > defaults. 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import tomllib
 from dataclasses import dataclass, field, fields, replace
@@ -16,6 +17,10 @@ from typing import Any
 
 POLICIES = ("round_robin", "least_loaded", "power_of_two", "prefix")
 BACKEND_AUTH = ("passthrough", "key", "none")
+# Weights are relative; the prefix ring holds 64 points per unit of weight, so an unbounded
+# weight is an unbounded rebuild (1e9 stalled the event loop for seconds).
+MAX_WEIGHT = 100.0
+MAX_URL_LEN = 2048
 
 
 @dataclass(frozen=True)
@@ -27,6 +32,9 @@ class Timeouts:
     decode_s: float = 600.0
     # Streaming: longest silence between two chunks from the decoder.
     idle_s: float = 120.0
+    # Waiting for a free connection of an instance's pool (all max_connections busy): past
+    # it the request gets 503 "proxy overloaded", which is not the instance's failure.
+    pool_wait_s: float = 5.0
 
 
 @dataclass(frozen=True)
@@ -38,11 +46,22 @@ class InstanceSpec:
     side_channel: str | None = None
 
     def __post_init__(self) -> None:
-        if not self.url.startswith(("http://", "https://")):
+        # Everything is checked before any pool sees the spec: an admin add either fully
+        # happens or changes nothing.
+        if not isinstance(self.url, str) or not self.url.startswith(("http://", "https://")):
             raise ValueError(f"instance URL must start with http:// or https://: {self.url!r}")
-        if not self.weight > 0:
-            raise ValueError(f"instance weight must be > 0: {self.url} weight={self.weight}")
+        if len(self.url) > MAX_URL_LEN or not self.url.isprintable() or " " in self.url:
+            raise ValueError(f"instance URL is too long or has control characters: {self.url!r}")
+        w = self.weight
+        if isinstance(w, bool) or not isinstance(w, int | float):
+            raise ValueError(f"instance weight must be a number: {w!r}")
+        if not (math.isfinite(w) and 0 < w <= MAX_WEIGHT):
+            raise ValueError(f"instance weight must be finite, > 0 and <= {MAX_WEIGHT:g}: {w!r}")
+        sc = self.side_channel
+        if sc is not None and (not isinstance(sc, str) or len(sc) > 256 or not sc.isprintable()):
+            raise ValueError(f"side_channel must be a short host:port string: {sc!r}")
         object.__setattr__(self, "url", self.url.rstrip("/"))
+        object.__setattr__(self, "weight", float(w))
 
 
 @dataclass(frozen=True)
@@ -60,6 +79,37 @@ class BreakerSettings:
     # one trial request (half-open) may pass.
     failures: int = 3
     open_s: float = 10.0
+
+
+@dataclass(frozen=True)
+class ClientLimits:
+    """What one client may cost the proxy (see docs/proxy.md, "Hardening")."""
+
+    # Largest request body (413 above it; checked on Content-Length before reading).
+    max_body_bytes: int = 16 * 1024 * 1024
+    # Bodies larger than this are parsed and rewritten in a worker process: json.loads
+    # holds the GIL, so a thread would still stall the event loop (0: always inline).
+    offload_parse_bytes: int = 256 * 1024
+    parse_workers: int = 1
+    # A request's headers must arrive within this (from connection or first byte).
+    header_timeout_s: float = 10.0
+    # The whole body must arrive within this once the headers are in (408 after).
+    body_timeout_s: float = 30.0
+    # An idle keep-alive connection is closed after this.
+    keepalive_timeout_s: float = 75.0
+    # A write to the client blocked this long (the client stopped reading): the client is
+    # dropped and the upstream request aborted.
+    write_timeout_s: float = 30.0
+    # Client connections open at once; more are answered 503 and closed.
+    max_connections: int = 2048
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+                raise ValueError(f"limits.{f.name} must be a finite number: {v!r}")
+            if v < 0 or (v == 0 and f.name not in ("offload_parse_bytes", "parse_workers")):
+                raise ValueError(f"limits.{f.name} must be > 0: {v!r}")
 
 
 @dataclass(frozen=True)
@@ -92,6 +142,7 @@ class ProxySettings:
     backend_key: str | None = None
     health: HealthSettings = field(default_factory=HealthSettings)
     breaker: BreakerSettings = field(default_factory=BreakerSettings)
+    limits: ClientLimits = field(default_factory=ClientLimits)
     # Graceful shutdown: how long streams in flight may still run after SIGTERM.
     shutdown_grace_s: float = 30.0
     # Freeing a prefiller's held blocks when a request dies between the legs.
@@ -171,7 +222,7 @@ def load_config(path: str | Path) -> dict[str, Any]:
     out: dict[str, Any] = dict(raw)
     out["prefill"] = _instances(raw.get("prefill"), "prefill")
     out["decode"] = _instances(raw.get("decode"), "decode")
-    for key, cls in (("timeouts", Timeouts), ("health", HealthSettings)):
+    for key, cls in (("timeouts", Timeouts), ("health", HealthSettings), ("limits", ClientLimits)):
         if key in raw:
             out[key] = cls(**raw[key])
     if "breaker" in raw:
@@ -208,6 +259,29 @@ def parse_args(argv: list[str] | None = None) -> ProxySettings:
     )
     ap.add_argument("--idle-timeout", type=float, help="longest silence inside a stream")
     ap.add_argument("--max-connections", type=int, help="upstream connections per instance")
+    ap.add_argument(
+        "--pool-wait-timeout",
+        type=float,
+        help="wait for a free upstream connection, then 503 proxy overloaded (5 s)",
+    )
+    ap.add_argument("--max-body-bytes", type=int, help="largest request body, 413 above (16 MiB)")
+    ap.add_argument(
+        "--offload-parse-bytes",
+        type=int,
+        help="bodies above this are parsed in a worker process (256 KiB; 0: never)",
+    )
+    ap.add_argument("--parse-workers", type=int, help="worker processes for big bodies (1)")
+    ap.add_argument("--header-timeout", type=float, help="request headers must arrive in (10 s)")
+    ap.add_argument("--body-timeout", type=float, help="request body must arrive in (30 s)")
+    ap.add_argument("--keepalive-timeout", type=float, help="idle client connection (75 s)")
+    ap.add_argument(
+        "--client-write-timeout",
+        type=float,
+        help="drop a client that does not drain its response for this long (30 s)",
+    )
+    ap.add_argument(
+        "--max-client-connections", type=int, help="client connections at once, 503 above (2048)"
+    )
     ap.add_argument("--log-level")
     ap.add_argument(
         "--wait-backends",
@@ -260,8 +334,21 @@ def parse_args(argv: list[str] | None = None) -> ProxySettings:
             "prefill_s": a.prefill_timeout,
             "decode_s": a.decode_timeout,
             "idle_s": a.idle_timeout,
+            "pool_wait_s": a.pool_wait_timeout,
         }
         kw["timeouts"] = replace(t, **{k: v for k, v in t_over.items() if v is not None})
+        lim = kw.get("limits", ClientLimits())
+        l_over = {
+            "max_body_bytes": a.max_body_bytes,
+            "offload_parse_bytes": a.offload_parse_bytes,
+            "parse_workers": a.parse_workers,
+            "header_timeout_s": a.header_timeout,
+            "body_timeout_s": a.body_timeout,
+            "keepalive_timeout_s": a.keepalive_timeout,
+            "write_timeout_s": a.client_write_timeout,
+            "max_connections": a.max_client_connections,
+        }
+        kw["limits"] = replace(lim, **{k: v for k, v in l_over.items() if v is not None})
         if a.health_interval is not None:
             kw["health"] = replace(kw.get("health", HealthSettings()), interval_s=a.health_interval)
         env_keys = [k for k in os.environ.get("PD_PROXY_API_KEYS", "").split(",") if k.strip()]

@@ -5,7 +5,9 @@
 Validates the merged files against the Compose Specification's JSON schema (fetched by
 scripts/setup.sh), after interpolating variables the way Compose does, then applies the
 lab's own rules: every service has a healthcheck, the proxy waits for healthy instances,
-every port a peer dials is published 1:1, and no secret is written into a file.
+every port a peer dials is published 1:1, the KV path keeps to its own network and address
+(the Mooncake engine has no authentication and listens on every interface of its
+container), and no secret is written into a file.
 """
 
 from __future__ import annotations
@@ -162,25 +164,39 @@ def validate_schema(doc: dict[str, Any], schema_path: Path = SCHEMA) -> list[str
     ]
 
 
-def _port_ranges(spec: str) -> tuple[range, range]:
-    host, _, container = spec.rpartition(":")
-    host = host.rpartition(":")[2]  # drop a host IP if present
+KV_NETWORK = "kv"
+# Ports on the KV path, by purpose (see listen_ports): published only on the KV address.
+KV_PURPOSES = ("side channel", "mooncake rpc range")
+
+
+def _port_ranges(spec: str) -> tuple[str, range, range]:
+    """(host IP or "" for all interfaces, host ports, container ports) of a short port spec."""
+    rest, _, container = spec.rpartition(":")
+    ip, _, host = rest.rpartition(":")
+    ip = ip.strip("[]")
 
     def rng(s: str) -> range:
         lo, _, hi = s.split("/")[0].partition("-")
         return range(int(lo), int(hi or lo) + 1)
 
-    return rng(host), rng(container)
+    return ip, rng(host), rng(container)
 
 
 def published(service: dict[str, Any]) -> set[int]:
-    """Container ports published on the same host port."""
+    """Container ports published on the same host port (on any host IP)."""
     out: set[int] = set()
     for spec in service.get("ports") or []:
-        host, container = _port_ranges(str(spec))
+        _, host, container = _port_ranges(str(spec))
         if host == container:
             out.update(container)
     return out
+
+
+def service_networks(svc: dict[str, Any]) -> set[str]:
+    nets = svc.get("networks")
+    if nets is None:
+        return {"default"}
+    return set(nets)
 
 
 def _arg(command: list[str], flag: str) -> str | None:
@@ -199,6 +215,8 @@ def listen_ports(name: str, svc: dict[str, Any]) -> dict[str, set[int]]:
     need: dict[str, set[int]] = {}
     if name in ("prefill", "decode"):
         need["http"] = {int(cmd[2])}
+    if name == "decode":
+        # Only the receiver's engine is dialled (the prefiller pushes into it).
         lo, hi = int(env["MC_MIN_RPC_PORT"]), int(env["MC_MAX_RPC_PORT"])
         need["mooncake rpc range"] = set(range(lo, hi + 1))
     if name == "prefill":
@@ -228,6 +246,7 @@ def check_rules(doc: dict[str, Any]) -> list[str]:
         for key, value in (svc.get("environment") or {}).items():
             if SECRET_NAME.search(key) and value not in ("", None):
                 problems.append(f"{name}: secret {key} has a value written in the file")
+    problems += check_kv_boundary(doc)
     deps = (services.get("proxy") or {}).get("depends_on") or {}
     if isinstance(deps, list):  # the short form only waits for the container to start
         deps = {d: {"condition": "service_started"} for d in deps}
@@ -235,6 +254,72 @@ def check_rules(doc: dict[str, Any]) -> list[str]:
         if (deps.get(inst) or {}).get("condition") != "service_healthy":
             problems.append(f"proxy: does not wait for {inst} to be healthy")
     return problems
+
+
+def engine_ports(svc: dict[str, Any]) -> set[int]:
+    env = svc.get("environment") or {}
+    try:
+        return set(range(int(env["MC_MIN_RPC_PORT"]), int(env["MC_MAX_RPC_PORT"]) + 1))
+    except (KeyError, ValueError):
+        return set()
+
+
+def check_kv_boundary(doc: dict[str, Any]) -> list[str]:
+    """The KV path's trust boundary.
+
+    The Mooncake engine serves reads and writes of the KV cache to anyone who connects and
+    listens on every interface of its container, so: prefill and decode share a "kv"
+    network the proxy is not on, and every KV-path port (side channel, engine ports) is
+    published only on the instance's KV address (PD_KV_HOST), never on all interfaces.
+    Host networking (the RDMA override) leaves this to the host firewall.
+    """
+    problems: list[str] = []
+    services = doc.get("services") or {}
+    host_net = {n for n, s in services.items() if s.get("network_mode") == "host"}
+    for name in host_net:
+        if services[name].get("networks"):
+            problems.append(f"{name}: network_mode host cannot be combined with networks")
+    bridged = [n for n in ("prefill", "decode") if n in services and n not in host_net]
+    if bridged and KV_NETWORK not in (doc.get("networks") or {}):
+        problems.append(f'no "{KV_NETWORK}" network declared for the KV path')
+    for name in bridged:
+        if KV_NETWORK not in service_networks(services[name]):
+            problems.append(f'{name}: not on the "{KV_NETWORK}" network')
+    proxy = services.get("proxy")
+    if proxy is not None and "proxy" not in host_net and KV_NETWORK in service_networks(proxy):
+        problems.append(f'proxy: must not join the "{KV_NETWORK}" network')
+    for name in bridged:
+        svc = services[name]
+        kv_host = str((svc.get("environment") or {}).get("PD_KV_HOST", ""))
+        kv_ports = set(engine_ports(svc))
+        for purpose, ports in listen_ports(name, svc).items():
+            if purpose in KV_PURPOSES:
+                kv_ports |= ports
+        wrong: set[int] = set()
+        where: set[str] = set()
+        for spec in svc.get("ports") or []:
+            ip, _, container = _port_ranges(str(spec))
+            if kv_ports & set(container) and ip != kv_host:
+                wrong.update(container)  # the whole published range, e.g. every TP rank
+                where.add(ip or "all interfaces")
+        if wrong:
+            problems.append(
+                f"{name}: KV-path port(s) {_ranges(sorted(wrong))} published on "
+                f"{', '.join(sorted(where))}, not only on its KV address "
+                f"{kv_host or '(PD_KV_HOST unset)'}"
+            )
+    return problems
+
+
+def _ranges(ports: list[int]) -> str:
+    """[15100, 15101, 15102, 17100] -> '15100-15102,17100'."""
+    runs: list[list[int]] = []
+    for p in sorted(ports):
+        if runs and p == runs[-1][1] + 1:
+            runs[-1][1] = p
+        else:
+            runs.append([p, p])
+    return ",".join(str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in runs)
 
 
 def secrets_in_raw(raw: dict[str, Any]) -> list[str]:

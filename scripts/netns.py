@@ -20,6 +20,7 @@ import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+KV_NET = "10.77.1.0/24"
 KV_A, KV_B = "10.77.1.1", "10.77.1.2"
 FRONT_A_X, FRONT_A = "10.77.2.1", "10.77.2.2"
 FRONT_B_X, FRONT_B = "10.77.3.1", "10.77.3.2"
@@ -95,6 +96,21 @@ class TwoHostNet:
             _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", ifname)
             _ip("-n", ns, "link", "set", ifname, "up")
 
+    def route(self, ns: str, dest: str, via: str) -> None:
+        """Add a route in ``ns`` (e.g. an attacker pointing the KV subnet at a front address)."""
+        _ip("-n", ns, "route", "add", dest, "via", via)
+
+    def unroute(self, ns: str, dest: str) -> None:
+        _ip("-n", ns, "route", "del", dest)
+
+    def listening_ports(self, ns: str, first: int, last: int) -> list[int]:
+        """TCP ports first..last that something listens on inside ``ns`` (via ss)."""
+        r = subprocess.run(self.wrap(ns, ["ss", "-ltnH"]), capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"ss in {ns} failed: {r.stderr.strip()}")
+        ports = {int(line.split()[3].rpartition(":")[2]) for line in r.stdout.splitlines()}
+        return sorted(p for p in ports if first <= p <= last)
+
     def close(self) -> None:
         for ns in reversed(self.created):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
@@ -133,3 +149,30 @@ class TwoHostNet:
 
     def unblock(self, ns: str) -> None:
         self.nft(ns, "delete table inet pdblock")
+
+    def kv_only(
+        self, ns: str, first: int, last: int, peers: Sequence[str], iface: str = "kv"
+    ) -> None:
+        """The firewall recipe for the Mooncake engine's ports in ``ns``.
+
+        The engine listens on every interface and has no authentication, so TCP to ports
+        first..last is accepted only from the peers' KV addresses arriving on the KV
+        interface, and reset otherwise: from the front network, over IPv6 (the data port
+        is dual-stack), from local processes. An empty ``peers`` closes the ports to all.
+        Its own table, so :meth:`block_tcp_ports` / :meth:`unblock` leave it alone.
+        """
+        rules = [
+            "add table inet pdkv",
+            "add chain inet pdkv input { type filter hook input priority -10; policy accept; }",
+        ]
+        if peers:
+            rules.append(
+                f'add rule inet pdkv input iifname "{iface}" ip saddr {{ {", ".join(peers)} }} '
+                f"tcp dport {first}-{last} accept"
+            )
+        rules.append(f"add rule inet pdkv input tcp dport {first}-{last} reject with tcp reset")
+        self.nft(ns, *rules)
+
+    def kv_open(self, ns: str) -> None:
+        """Remove :meth:`kv_only`'s table (to show what it was protecting)."""
+        self.nft(ns, "delete table inet pdkv")

@@ -5,11 +5,14 @@ back as JSON on stdout. Commands (JSON on stdin):
   {"cmd": "wait", "urls": [...], "timeout": s}          until each URL answers 200
   {"cmd": "get", "urls": [...]}                          bodies as text
   {"cmd": "run", "base": url, "requests": [{"name", "path", "body"}], "timeout": s}
+  {"cmd": "connect", "targets": [[host, port], ...], "timeout": s}
+        TCP connect attempts: "open", "refused", "timeout" or "error: ..." per "host:port"
 """
 
 from __future__ import annotations
 
 import json
+import socket
 import sys
 import time
 
@@ -68,6 +71,22 @@ def run(base: str, requests: list[dict], timeout: float) -> dict:
     return out
 
 
+def connect(targets: list[list], timeout: float) -> dict:
+    out = {}
+    for host, port in targets:
+        try:
+            with socket.create_connection((host, int(port)), timeout=timeout):
+                state = "open"
+        except ConnectionRefusedError:
+            state = "refused"
+        except TimeoutError:
+            state = "timeout"
+        except OSError as exc:
+            state = f"error: {exc}"
+        out[f"{host}:{port}"] = state
+    return out
+
+
 def main() -> None:
     cmd = json.loads(sys.stdin.read())
     if cmd["cmd"] == "wait":
@@ -77,6 +96,8 @@ def main() -> None:
             result = {u: c.get(u).text for u in cmd["urls"]}
     elif cmd["cmd"] == "run":
         result = run(cmd["base"], cmd["requests"], cmd.get("timeout", 120))
+    elif cmd["cmd"] == "connect":
+        result = connect(cmd["targets"], cmd.get("timeout", 1.0))
     else:
         raise SystemExit(f"unknown command {cmd['cmd']}")
     json.dump(result, sys.stdout)

@@ -5,6 +5,12 @@ networks. Token-exact equivalence across them proves the advertised-host and por
 for real. Then a firewall rule inside a namespace blocks a port the transfer needs, and
 the failure must be reported quickly and clearly, the request still answered (the decoder
 recomputes: kv_load_failure_policy=recompute) and no KV block left held on either side.
+
+The Mooncake engine has no authentication and listens on every interface, so the lab runs
+with the firewall recipe an operator needs (scripts/netns.py ``kv_only``): the decoder's
+engine ports take TCP only from the prefiller's KV address on the KV interface, the
+prefiller's from no one. A test checks that the front host cannot reach either while P/D
+works over the KV network.
 """
 
 from __future__ import annotations
@@ -86,6 +92,9 @@ def lab(tmp_path_factory):
     mc_env = {"MC_MIN_RPC_PORT": str(MC_MIN), "MC_MAX_RPC_PORT": str(MC_MAX), "HOST": "0.0.0.0"}
     net = netns.TwoHostNet()
     with net:
+        # The firewall recipe for the engine ports (see the module docstring).
+        net.kv_only(net.b, MC_MIN, MC_MAX, peers=[netns.KV_A])
+        net.kv_only(net.a, MC_MIN, MC_MAX, peers=[])
         common = {"block_size": BLOCK, "model_dir": MODEL_DIR, "env": mc_env}
         p = vllm_child(
             "prefill",
@@ -171,6 +180,56 @@ def test_equivalent_across_hosts_and_kv_uses_the_kv_network(lab: Lab):
     assert f"KV side channel listening on tcp://{netns.KV_A}:{SIDE}" in p_log
     pushes = re.findall(r"pushed \d+ blocks .* to (\S+)$", p_log, re.M)
     assert pushes and all(dst.startswith(netns.KV_B + ":") for dst in pushes), pushes
+
+
+def test_front_host_cannot_reach_the_mooncake_ports_while_kv_flows(lab: Lab):
+    """Both instances' engine ports, as they really listen (on every interface), probed
+    from the front host: refused, also when it routes the KV subnet through the decode
+    host's front address. Without the recipe they would be open (checked, then restored).
+    Meanwhile a request still crosses over the KV network."""
+    engine_ports = {
+        ns: lab.net.listening_ports(ns, MC_MIN, MC_MAX) for ns in (lab.net.a, lab.net.b)
+    }
+    assert all(len(p) >= 2 for p in engine_ports.values()), engine_ports  # handshake + data
+    warning = "mooncake engine listens on more than the KV address"
+    for log in ("prefill.log", "decode.log"):  # the operator is told, with the ports
+        assert warning in (lab.log_dir / log).read_text(), log
+    a_ports, b_ports = engine_ports[lab.net.a], engine_ports[lab.net.b]
+    targets = [[netns.FRONT_A, p] for p in a_ports] + [[netns.FRONT_B, p] for p in b_ports]
+    targets += [[netns.KV_B, p] for p in b_ports]  # reached via the route added below
+
+    def probe(extra: list[list] | None = None) -> dict[str, str]:
+        cmd = {"cmd": "connect", "targets": targets + (extra or []), "timeout": 1.0}
+        return lab.client(cmd, timeout=120)
+
+    lab.net.route(lab.net.x, netns.KV_NET, netns.FRONT_B)
+    try:
+        t0 = time.monotonic()
+        got = probe([[netns.FRONT_B, D_PORT]])
+        elapsed = time.monotonic() - t0
+        assert got.pop(f"{netns.FRONT_B}:{D_PORT}") == "open"  # the probe itself works
+        assert set(got.values()) <= {"refused", "timeout"}, got
+        assert elapsed < 2 + 1.0 * len(targets), elapsed  # quick: resets, not hangs
+        # The recipe is what protects them: without it the front host gets in.
+        lab.net.kv_open(lab.net.b)
+        try:
+            opened = probe()
+        finally:
+            lab.net.kv_only(lab.net.b, MC_MIN, MC_MAX, peers=[netns.KV_A])
+        assert {opened[f"{netns.FRONT_B}:{p}"] for p in b_ports} == {"open"}, opened
+        assert {opened[f"{netns.KV_B}:{p}"] for p in b_ports} == {"open"}, opened
+    finally:
+        lab.net.unroute(lab.net.x, netns.KV_NET)
+
+    before = lab.sources()
+    got = lab.complete(["several_blocks"])["several_blocks"]
+    assert got["status"] == 200, got["error"]
+    assert got["ids"] == lab.ref["several_blocks"]
+    after = lab.sources()
+    assert after["local_compute"] == before["local_compute"]
+    assert after["external_kv_transfer"] - before["external_kv_transfer"] == prompt_len(
+        "several_blocks", BLOCK
+    )
 
 
 def test_blocked_side_channel_fails_within_the_pull_timeout_and_frees(lab: Lab):

@@ -55,10 +55,64 @@ def test_schema_catches_a_wrong_type():
 def test_unpublished_side_channel_is_flagged():
     def mutate(doc):
         doc["services"]["prefill"]["ports"] = doc["services"]["prefill"]["ports"][:1]
+        doc["services"]["decode"]["ports"] = doc["services"]["decode"]["ports"][:1]
 
     problems = problems_after(mutate)
     assert any("prefill: side channel port(s) [17100] not published" in p for p in problems)
-    assert any("prefill: mooncake rpc range" in p for p in problems)
+    assert any("decode: mooncake rpc range" in p for p in problems)
+    # Nothing dials the pushing side's engine: the prefiller need not publish it.
+    assert not any("prefill: mooncake rpc range" in p for p in problems)
+
+
+def test_kv_network_joins_prefill_and_decode_only():
+    def mutate(doc):
+        doc["services"]["proxy"]["networks"] = ["front", "kv"]
+        doc["services"]["decode"]["networks"] = ["front"]
+
+    problems = problems_after(mutate)
+    assert 'proxy: must not join the "kv" network' in problems
+    assert 'decode: not on the "kv" network' in problems
+    no_net = copy.deepcopy(BASE)
+    del no_net["networks"]["kv"]
+    assert 'no "kv" network declared for the KV path' in check_docs([no_net], ENV)
+
+
+@pytest.mark.parametrize(
+    ("service", "index", "spec", "flagged"),
+    [
+        # The engine's range on all interfaces: the front network reaches the KV cache.
+        ("decode", 1, "15100-15131:15100-15131", "15100-15131 published on all interfaces"),
+        # On an address that is not the KV address (here the front address).
+        ("decode", 1, "192.0.2.20:15100-15131:15100-15131", "published on 192.0.2.20"),
+        # The whole side-channel range counts, not only its first port.
+        ("prefill", 1, "17100-17107:17100-17107", "17100-17107 published on all interfaces"),
+        # Publishing the prefiller's engine ports at all must be on its KV address.
+        ("prefill", None, "15100-15131:15100-15131", "prefill: KV-path port(s) 15100-15131"),
+    ],
+)
+def test_kv_path_ports_are_published_only_on_the_kv_address(service, index, spec, flagged):
+    def mutate(doc):
+        ports = doc["services"][service]["ports"]
+        if index is None:
+            ports.append(spec)
+        else:
+            ports[index] = spec
+
+    problems = problems_after(mutate)
+    assert any(p.startswith(f"{service}: KV-path port(s)") and flagged in p for p in problems), (
+        problems
+    )
+
+
+def test_kv_rule_passes_on_the_kv_address_and_leaves_host_networking_to_the_firewall():
+    assert check_docs([BASE], ENV) == []
+    rdma = load(ROOT / "docker-compose.rdma.yml")
+    assert check_docs([BASE, rdma], ENV) == []
+    # Host networking with compose networks left in place is an error Compose would raise.
+    rdma_kept = copy.deepcopy(rdma)
+    del rdma_kept["services"]["decode"]["networks"]
+    problems = check_docs([BASE, rdma_kept], ENV)
+    assert "decode: network_mode host cannot be combined with networks" in problems
 
 
 def test_remapped_port_is_not_enough():

@@ -1,3 +1,5 @@
+import json
+
 import pytest
 
 from proxy.rewrite import decode_body, prefill_body, validate_body
@@ -146,3 +148,106 @@ def test_prompt_estimate_and_prefix_key():
     assert prefix_key({"prompt": "abcdef"}, "completions", 3) == b"abc"
     assert prefix_key({"prompt": [1, 2, 3]}, "completions", 2) == b"1,2"
     assert prefix_key(chat, "chat", 1000).startswith(b"s" * 40)
+
+
+# -- client-supplied transfer fields (issue 10, item 2) ----------------------------------
+
+from proxy.rewrite import (  # noqa: E402
+    TRANSFER_FIELDS,
+    PlanOptions,
+    plan_request,
+    strip_transfer_fields,
+    with_kv,
+)
+
+EVIL = {"do_remote_prefill": True, "remote_host": "10.6.6.6", "transfer_secret": "stolen"}
+
+
+def smuggling_body(**extra) -> dict:
+    return {
+        "model": "m",
+        "prompt": "p",
+        "kv_transfer_params": EVIL,
+        "ec_transfer_params": EVIL,
+        "vllm_xargs": {
+            "kv_transfer_params": json.dumps(EVIL),  # vLLM accepts a string value here
+            "ec_transfer_params": "x",
+            "keep": "me",
+        },
+        **extra,
+    }
+
+
+def test_transfer_fields_are_stripped_everywhere_vllm_reads_them():
+    body = smuggling_body()
+    out = strip_transfer_fields(body)
+    assert out == {"model": "m", "prompt": "p", "vllm_xargs": {"keep": "me"}}
+    assert body["vllm_xargs"]["kv_transfer_params"]  # the client's body is untouched
+    only = {"prompt": "p", "vllm_xargs": {"kv_transfer_params": "x"}}
+    assert strip_transfer_fields(only) == {"prompt": "p"}  # nothing left: vllm_xargs goes
+    assert set(TRANSFER_FIELDS) == {"kv_transfer_params", "ec_transfer_params"}
+
+
+def test_both_legs_drop_smuggled_fields():
+    body = smuggling_body()
+    pre = prefill_body(body, "completions")
+    assert pre["kv_transfer_params"] == KV_REQ and "ec_transfer_params" not in pre
+    assert pre["vllm_xargs"] == {"keep": "me"}
+    for kv in (None, {"transfer_id": "t"}):
+        dec = decode_body(body, kv)
+        assert dec.get("kv_transfer_params") == kv and "ec_transfer_params" not in dec
+        assert dec["vllm_xargs"] == {"keep": "me"}
+
+
+@pytest.mark.parametrize("xargs", ['{"kv_transfer_params": {}}', 3, ["kv_transfer_params"]])
+def test_vllm_xargs_must_be_an_object(xargs):
+    assert "vllm_xargs" in validate_body({"prompt": "p", "vllm_xargs": xargs}, "completions")
+
+
+def loads(data: bytes | None) -> dict:
+    assert data is not None
+    return json.loads(data)
+
+
+@pytest.mark.parametrize(
+    ("extra", "opts", "alone"),
+    [
+        ({}, PlanOptions(), None),
+        ({"n": 2}, PlanOptions(), "n"),
+        ({"prompt_logprobs": 1}, PlanOptions(), "prompt_logprobs"),
+        ({}, PlanOptions(min_prefill_tokens=100), "short_prompt"),
+    ],
+)
+def test_plan_strips_transfer_fields_on_every_path(extra, opts, alone):
+    plan = plan_request(json.dumps(smuggling_body(**extra)).encode(), "completions", opts)
+    assert plan.error is None and plan.alone == alone
+    dec = loads(plan.decode)
+    assert "kv_transfer_params" not in dec and "ec_transfer_params" not in dec
+    assert dec["vllm_xargs"] == {"keep": "me"}
+    if alone is None:
+        assert loads(plan.prefill)["kv_transfer_params"] == KV_REQ
+    else:
+        assert plan.prefill is None
+    kv = {"transfer_id": "t", "transfer_secret": "s"}
+    assert json.loads(with_kv(plan.decode, kv)) == {**dec, "kv_transfer_params": kv}
+
+
+def test_plan_fields_and_errors():
+    raw = json.dumps({"model": "m", "prompt": [1, 2, 3], "stream": True}).encode()
+    plan = plan_request(raw, "completions", PlanOptions(prefix_chars=2))
+    assert (plan.tokens, plan.key, plan.stream) == (3, b"1,2", True)
+    assert plan_request(b"{no", "completions", PlanOptions()).error.startswith("request body is")
+    assert "nested too deeply" in plan_request(b"[" * 100_000, "chat", PlanOptions()).error
+    deep = b'{"prompt": "p", "x": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"
+    assert "nested too deeply" in plan_request(deep, "completions", PlanOptions()).error
+    assert plan_request(b"\xff\xfe", "completions", PlanOptions()).error
+    assert (
+        "best_of"
+        in plan_request(b'{"prompt": "p", "best_of": 2}', "completions", PlanOptions()).error
+    )
+
+
+def test_with_kv_needs_no_reparse():
+    assert with_kv(b"{}", {"a": 1}) == b'{"kv_transfer_params":{"a": 1}}'
+    assert json.loads(with_kv(b'{"x": 1}', {"a": 1})) == {"x": 1, "kv_transfer_params": {"a": 1}}
+    assert with_kv(b'{"x": 1}', None) == b'{"x": 1}'
