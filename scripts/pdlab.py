@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -28,7 +29,34 @@ DEFAULT_MODEL = ROOT / "models" / "tiny-llama"
 CONFIGS = ROOT / "configs"
 
 
+_PICK = random.SystemRandom()
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port that is free now and that the OS will not hand out as an ephemeral port.
+
+    The port is bound later, often by another process: one from the OS's ephemeral range
+    can meanwhile become some other socket's local port (seen: a vLLM instance's side
+    channel lost its port to another process's outgoing connection). So pick below that
+    range, and above the Mooncake engine's default port range (15000-17000).
+    """
+    low, high = 20000, _ephemeral_low() - 1
+    for _ in range(200):
+        port = _PICK.randint(low, high) if high > low else 0
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return int(s.getsockname()[1])
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
