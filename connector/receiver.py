@@ -9,6 +9,7 @@ recomputes or fails the request instead of decoding from unwritten blocks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import threading
 import time
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
+import zmq.utils.monitor
 
 from connector.digest import MemoryReader, keyed_digest, written_segments
 from connector.layout import GroupLayout, geometry
@@ -36,6 +38,10 @@ from connector.wire import (
 )
 
 logger = get_logger(__name__)
+
+# A prefiller whose side-channel connection has been refused or closed this long is dead to
+# a new pull (a restarted one accepts at once, so this only delays the recompute).
+DEAD_PEER_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -103,6 +109,8 @@ class PullClient:
         # timeout; the reserve covers the last batch in flight and clock differences.
         self._budget_s = settings.pull_budget_s()
         self._last_used: dict[str, float] = {}
+        # Prefillers whose connection closed or was refused, since when (monitor events).
+        self._down_since: dict[str, float] = {}
         self._msg_ids = itertools.count(1)
         self._lock = threading.Lock()
         self._done: set[str] = set()
@@ -167,10 +175,60 @@ class PullClient:
             sock.setsockopt(zmq.MAXMSGSIZE, self._settings.max_message_bytes)
             if peer.startswith("tcp://["):
                 sock.setsockopt(zmq.IPV6, 1)
+            monitor = sock.get_monitor_socket(
+                zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+            )
             sock.connect(peer)
             self._sockets[peer] = sock
             self._spawn(self._read_replies(peer, sock))
+            self._spawn(self._watch(peer, sock, monitor))
         return sock
+
+    async def _watch(
+        self, peer: str, sock: zmq.asyncio.Socket, monitor: zmq.asyncio.Socket
+    ) -> None:
+        """Fail the pulls in flight to a prefiller whose connection closed.
+
+        A closed connection means the prefiller process is gone (or shut down after its
+        pushes ended): its replies can never come, so waiting out the pull timeout (25 s+)
+        only delays the recompute. Only a close counts, not silence: a frozen or unreachable
+        prefiller may still push before the pull's deadline, so it is left to the timeout.
+        """
+        try:
+            while True:
+                frames = await monitor.recv_multipart()
+                event = zmq.utils.monitor.parse_monitor_message(frames)["event"]
+                if event == zmq.EVENT_MONITOR_STOPPED:
+                    return
+                if self._sockets.get(peer) is not sock:
+                    continue
+                if event == zmq.EVENT_CONNECTED:
+                    self._down_since.pop(peer, None)
+                elif event == zmq.EVENT_CONNECT_RETRIED:  # refused or failed: nobody there
+                    self._down_since.setdefault(peer, time.monotonic())
+                elif event == zmq.EVENT_DISCONNECTED:
+                    self._down_since.setdefault(peer, time.monotonic())
+                    lost = list(self._pending.get(peer, {}))
+                    if lost:
+                        self._spawn(self._peer_lost(peer, lost))
+        except (zmq.ZMQError, asyncio.CancelledError):
+            return
+        finally:
+            monitor.close(linger=0)
+
+    async def _peer_lost(self, peer: str, keys: list[tuple[int, str]]) -> None:
+        # Bytes the dying process had already handed to the kernel may still land.
+        await asyncio.sleep(self._settings.late_write_grace_s)
+        pending = self._pending.get(peer, {})
+        error = f"prefiller at {peer} closed the side channel (process gone?)"
+        failed = 0
+        for key in keys:
+            fut = pending.pop(key, None)
+            if fut is not None and not fut.done():
+                fut.set_result(PullReply(key[0], key[1], ok=False, error=error))
+                failed += 1
+        if failed:
+            logger.warning("%s: failed %d pulls in flight at once", error, failed)
 
     async def _close_idle_peers(self) -> None:
         """Close sockets (and their reader tasks) to prefillers we have not used lately."""
@@ -184,6 +242,8 @@ class PullClient:
                 sock = self._sockets.pop(peer)
                 self._pending.pop(peer, None)
                 self._last_used.pop(peer, None)
+                self._down_since.pop(peer, None)
+                sock.disable_monitor()  # its watcher ends on MONITOR_STOPPED
                 sock.close(linger=0)  # its reader task ends on the closed socket
                 logger.debug("closed idle side channel to %s", peer)
 
@@ -234,15 +294,38 @@ class PullClient:
 
     async def _send(self, peer: str, msg: PullRequest) -> None:
         # With IMMEDIATE the socket only takes a message once connected; giving up here
-        # cancels it, so a pull is never delivered after the decoder stopped waiting.
+        # cancels it, so a pull is never delivered after the decoder stopped waiting. A
+        # prefiller whose connection is refused or closed is given up on after
+        # DEAD_PEER_S, not the whole budget: a dead process never answers.
+        send = asyncio.ensure_future(self._socket(peer).send(encode(msg)))
+        deadline = time.monotonic() + self._budget_s
         try:
-            await asyncio.wait_for(self._socket(peer).send(encode(msg)), self._budget_s)
-        except TimeoutError:
-            self._fail_message(
-                peer, msg.msg_id, f"side channel {peer} not reachable within {self._budget_s:g}s"
-            )
+            while True:
+                left = deadline - time.monotonic()
+                done, _ = await asyncio.wait({send}, timeout=min(left, DEAD_PEER_S / 4))
+                if done:
+                    send.result()
+                    return
+                down = self._down_since.get(peer)
+                if down is not None and time.monotonic() - down >= DEAD_PEER_S:
+                    send.cancel()
+                    self._fail_message(
+                        peer, msg.msg_id, f"prefiller at {peer} is unreachable (connection refused)"
+                    )
+                    return
+                if left <= 0:
+                    send.cancel()
+                    self._fail_message(
+                        peer,
+                        msg.msg_id,
+                        f"side channel {peer} not reachable within {self._budget_s:g}s",
+                    )
+                    return
         except zmq.ZMQError as exc:
             self._fail_message(peer, msg.msg_id, f"send to {peer} failed: {exc}")
+        except asyncio.CancelledError:
+            send.cancel()
+            raise
 
     async def _read_replies(self, peer: str, sock: zmq.asyncio.Socket) -> None:
         while True:
@@ -347,5 +430,7 @@ class PullClient:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         for sock in self._sockets.values():
+            with contextlib.suppress(zmq.ZMQError):
+                sock.disable_monitor()
             sock.close(linger=0)
         self._sockets.clear()

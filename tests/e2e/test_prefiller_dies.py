@@ -3,8 +3,9 @@
 One prefiller, two decoders (``kv_load_failure_policy`` recompute and fail). Two prompts
 are prefilled, the prefiller is killed (SIGKILL), then each decoder gets its request with
 the now-dead handle. recompute: the decoder computes the prompt itself and answers exactly
-what it answers without any handle; fail: the request ends with an error. Both within the
-pull timeout, and both decoders keep serving.
+what it answers without any handle; fail: the request ends with an error. Both within a
+few seconds although the pull timeout is 30 s (the decoder sees the side channel refused
+and gives up on a dead prefiller at once; measured ~1.0 s), and both decoders keep serving.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from tests.e2e.cases import MODEL_DIR, answer_ids, completion_cases
 
 pytestmark = pytest.mark.e2e
 
-PULL_TIMEOUT_S = 5
+PULL_TIMEOUT_S = 30  # the default: dead-peer detection, not the timeout, must end the pull
+DETECT_S = 5  # connection refused -> fail in ~1 s, plus one CPU prefill/decode on 2 cores
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +92,8 @@ def test_dead_prefiller_recompute_and_fail(lab):
         assert after["local_compute"] - before["local_compute"] == len(body["prompt"])
         local = answer_ids(c.post(d.url + "/v1/completions", json=body).json())
         assert recomputed == local
-        assert took < PULL_TIMEOUT_S + 10
+        print(f"\nrecompute after the prefiller died: answered in {took:.2f}s")
+        assert took < DETECT_S
 
         d = decoders["fail"]
         t0 = time.monotonic()
@@ -98,7 +101,8 @@ def test_dead_prefiller_recompute_and_fail(lab):
         took = time.monotonic() - t0
         failed = r.status_code >= 400 or r.json()["choices"][0]["finish_reason"] == "error"
         assert failed, json.dumps(r.json())[:500]
-        assert took < PULL_TIMEOUT_S + 10
+        print(f"fail policy after the prefiller died: answered in {took:.2f}s")
+        assert took < DETECT_S
         # The decoder is still healthy and serves the next request.
         assert c.get(d.url + "/health").status_code == 200
         assert answer_ids(c.post(d.url + "/v1/completions", json=body).json()) == local

@@ -263,6 +263,52 @@ def test_dead_prefiller_fails_within_timeout(decoder):
     assert time.monotonic() - t0 < 6  # pull_timeout_s = 3
 
 
+def test_killed_prefiller_fails_its_pulls_at_once():
+    """The decoder sees the side channel close and fails pulls in flight in about a second,
+    instead of waiting out its pull timeout (issue 11: 25 s before)."""
+    import signal
+
+    settings = ConnectorSettings.load(
+        {"protocol": "tcp", "host": "127.0.0.1", "pull_timeout_s": 30}, env={}
+    )
+    w = P2pWorker(settings, "decode-kill", CFG["num_blocks"], 0, free_port(), False, True)
+    _, caches = make_caches(CFG, seed=None)
+    w.register_kv_caches(caches)
+    p = Prefiller(ready_timeout_s=30)
+    try:
+        p.call(cmd="expect", transfer_id="t-kill")  # the pull parks: no answer is coming
+        task = RecvTask("r-kill", "t-kill", "k", [[3, 4]], "127.0.0.1", p.port)
+        w.start_load_kv(P2pMetadata(recv=[task]))
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        p.proc.send_signal(signal.SIGKILL)
+        p.proc.wait(10)
+        failed: set[str] = set()
+        while "r-kill" not in failed and time.monotonic() - t0 < 10:
+            _, _, f = w.get_transfer_results()
+            failed |= f
+            time.sleep(0.02)
+        took = time.monotonic() - t0
+        print(f"\nkilled prefiller detected, pull failed after {took:.2f}s (pull timeout 30 s)")
+        assert "r-kill" in failed and took < 3
+        # A pull sent after the death (the issue's case: killed after handing out a
+        # transfer) finds the connection refused and fails in about DEAD_PEER_S.
+        t0 = time.monotonic()
+        late = RecvTask("r-after", "t-after", "k", [[5]], "127.0.0.1", p.port)
+        w.start_load_kv(P2pMetadata(recv=[late]))
+        failed = set()
+        while "r-after" not in failed and time.monotonic() - t0 < 10:
+            _, _, f = w.get_transfer_results()
+            failed |= f
+            time.sleep(0.02)
+        took = time.monotonic() - t0
+        print(f"pull to the dead prefiller failed after {took:.2f}s")
+        assert "r-after" in failed and took < 3
+    finally:
+        p.close()
+        w.shutdown()
+
+
 def test_expiry_frees_blocks_nobody_asked_for(decoder):
     p = Prefiller(expiry_s=1)
     try:
