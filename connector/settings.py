@@ -10,6 +10,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from connector.log import get_logger
+
+logger = get_logger(__name__)
+
 ENV_PREFIX = "PD_KV_"
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -77,8 +81,19 @@ class ConnectorSettings:
         values: dict[str, Any] = {}
         for f in fields(cls):
             raw: Any = extra.pop(f.name, None)
+            from_env = env.get(ENV_PREFIX + f.name.upper())
+            if raw is not None and from_env is not None and str(from_env) != str(raw):
+                # A silently ignored variable looks like a setting that does not work.
+                logger.warning(
+                    "%s%s=%s is ignored: the kv-transfer config sets %s=%r",
+                    ENV_PREFIX,
+                    f.name.upper(),
+                    from_env,
+                    f.name,
+                    raw,
+                )
             if raw is None:
-                raw = env.get(ENV_PREFIX + f.name.upper())
+                raw = from_env
             if raw is None:
                 continue
             try:

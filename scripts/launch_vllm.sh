@@ -29,6 +29,9 @@ args=(--model "${MODEL_DIR:-$root/models/tiny-llama}" --served-model-name "${SER
       --host "${HOST:-127.0.0.1}" --port "$port" --seed 0)
 [ -n "$kv" ] && args+=(--kv-transfer-config "$(cat "$kv")")
 if [ "$device" = cpu ]; then
+  # The CPU lab: Mooncake over TCP on loopback unless the environment says otherwise (the
+  # config files pin nothing, so PD_KV_* always applies, e.g. in the compose lab).
+  export PD_KV_PROTOCOL=${PD_KV_PROTOCOL:-tcp} PD_KV_HOST=${PD_KV_HOST:-127.0.0.1}
   export VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-$core}
   args+=(--dtype bfloat16 --enforce-eager --max-model-len "${MAX_MODEL_LEN:-1024}"
          --max-num-seqs "${MAX_NUM_SEQS:-16}" --block-size "${BLOCK_SIZE:-32}"

@@ -66,6 +66,8 @@ def kv_config(role: str, side_channel_port: int, **extra: object) -> dict[str, o
     """The CPU lab's kv-transfer config for ``role`` with a given side-channel port."""
     cfg = json.loads((CONFIGS / f"kv-{role}-cpu.json").read_text())
     cfg["kv_connector_extra_config"] = {
+        "protocol": "tcp",
+        "host": "127.0.0.1",
         **cfg["kv_connector_extra_config"],
         "side_channel_port": side_channel_port,
         **extra,

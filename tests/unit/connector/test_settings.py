@@ -50,3 +50,25 @@ def test_pull_budget_keeps_the_transfer_timeout_in_reserve():
     assert s.pull_budget_s() == 30 - (5 + 1)
     short = ConnectorSettings.load({"pull_timeout_s": 3}, env={})
     assert short.pull_budget_s() == pytest.approx(2.4)
+
+
+def test_an_environment_value_the_config_overrides_is_warned_about(caplog):
+    s = ConnectorSettings.load({"expiry_s": 120}, env={"PD_KV_EXPIRY_S": "30"})
+    assert s.expiry_s == 120
+    assert "PD_KV_EXPIRY_S=30 is ignored" in caplog.text
+    caplog.clear()
+    ConnectorSettings.load({"expiry_s": 30}, env={"PD_KV_EXPIRY_S": "30"})
+    assert "ignored" not in caplog.text
+
+
+def test_shipped_lab_configs_pin_no_defaults():
+    """A default restated in a config file silently wins over PD_KV_* (issue 11)."""
+    import json
+    from dataclasses import fields
+    from pathlib import Path
+
+    defaults = {f.name: f.default for f in fields(ConnectorSettings)}
+    for path in Path(__file__).resolve().parents[3].glob("configs/kv-*.json"):
+        extra = json.loads(path.read_text()).get("kv_connector_extra_config", {})
+        pinned = [k for k, v in extra.items() if k in defaults and v == defaults[k]]
+        assert not pinned, f"{path.name} restates defaults {pinned}"
