@@ -115,6 +115,9 @@ class PullClient:
         self._lock = threading.Lock()
         self._done: set[str] = set()
         self._failed: set[str] = set()
+        # Pulls (not releases) awaiting their reply, by (message, transfer): a level for
+        # /metrics, left together with the result under the lock so no step sees both.
+        self._waiting: set[tuple[int, str]] = set()
         self._loop = asyncio.new_event_loop()
         self._ctx = zmq.asyncio.Context()
         self._sockets: dict[str, zmq.asyncio.Socket] = {}
@@ -143,6 +146,11 @@ class PullClient:
             done, failed = self._done | self._failed, self._failed
             self._done, self._failed = set(), set()
         return done, failed
+
+    def num_waiting(self) -> int:
+        """Pulls waiting for their reply now (a level for /metrics)."""
+        with self._lock:
+            return len(self._waiting)
 
     def close(self) -> None:
         if self._closed:
@@ -363,6 +371,19 @@ class PullClient:
     async def _await_one(
         self, peer: str, msg_id: int, spec: PullSpec, fut: asyncio.Future[PullReply]
     ) -> None:
+        key = (msg_id, spec.transfer_id)
+        if not spec.is_release:
+            with self._lock:
+                self._waiting.add(key)
+        try:
+            await self._await_reply(peer, msg_id, spec, fut)
+        finally:
+            with self._lock:
+                self._waiting.discard(key)
+
+    async def _await_reply(
+        self, peer: str, msg_id: int, spec: PullSpec, fut: asyncio.Future[PullReply]
+    ) -> None:
         t0 = time.perf_counter()
         try:
             reply = await asyncio.wait_for(fut, self._timeout)
@@ -394,6 +415,7 @@ class PullClient:
             return
         with self._lock:
             (self._done if reply.ok else self._failed).add(spec.request_id)
+            self._waiting.discard((msg_id, spec.transfer_id))
         if reply.ok:
             self._rec.pull(elapsed, reply.num_bytes)
             logger.info(

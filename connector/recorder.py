@@ -21,10 +21,16 @@ EVENTS = (
     "digest_mismatches",
     "bad_params",
 )
+# Levels (one entry: the value now), shipped only when they change, so an idle engine
+# ships nothing: requests a prefiller holds for a decoder, pulls a decoder waits for.
+GAUGES = (
+    "held_requests",
+    "waiting_pulls",
+)
 
 
 def empty_data() -> dict[str, list[float]]:
-    return {k: [] for k in (*SAMPLES, *EVENTS)}
+    return {k: [] for k in (*SAMPLES, *EVENTS, *GAUGES)}
 
 
 class TransferRecorder:
@@ -49,6 +55,13 @@ class TransferRecorder:
             raise KeyError(name)
         with self._lock:
             self._data[name].extend([1] * count)
+
+    def gauge(self, name: str, value: float) -> None:
+        """Set a level; the last value set before :meth:`take` is the one shipped."""
+        if name not in GAUGES:
+            raise KeyError(name)
+        with self._lock:
+            self._data[name] = [value]
 
     def take(self) -> dict[str, list[float]] | None:
         with self._lock:

@@ -20,7 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-from connector.recorder import EVENTS, SAMPLES, empty_data
+from connector.recorder import EVENTS, GAUGES, SAMPLES, empty_data
 
 
 @dataclass
@@ -38,7 +38,7 @@ class P2pConnectorStats(KVConnectorStats):
         return self
 
     def is_empty(self) -> bool:
-        return not any(self.data.get(k) for k in (*SAMPLES, *EVENTS))
+        return not any(self.data.get(k) for k in (*SAMPLES, *EVENTS, *GAUGES))
 
     def reduce(self) -> dict[str, int | float]:
         d = self.data
@@ -58,6 +58,9 @@ class P2pConnectorStats(KVConnectorStats):
             "Digest mismatches": len(d.get("digest_mismatches", [])),
             "Bad kv_transfer_params": len(d.get("bad_params", [])),
         }
+        for key, label in (("held_requests", "Held requests"), ("waiting_pulls", "Waiting pulls")):
+            if d.get(key):
+                out[label] = int(d[key][-1])
         if push_s.size:
             out["Avg push ms"] = round(float(push_s.mean()) * 1e3, 3)
             out["Push MB/s"] = round(push_b / 2**20 / max(float(push_s.sum()), 1e-9), 1)
@@ -107,6 +110,24 @@ class P2pPromMetrics(KVConnectorPromMetrics):
                 ("bad_params", "Requests whose kv_transfer_params were malformed (ignored)"),
             )
         }
+
+        def gauge(name: str, doc: str) -> dict[int, Any]:
+            g = self._gauge_cls(
+                name=name, documentation=doc, labelnames=labelnames, multiprocess_mode="mostrecent"
+            )
+            return create_metric_per_engine(g, per_engine_labelvalues)
+
+        # Levels for leak checks (issue 11's soak): both must return to 0 when idle.
+        self._gauges = {
+            "held_requests": gauge(
+                "vllm:pd_kv_held_requests",
+                "Requests whose KV blocks this prefiller holds for a decoder (freed when sent,"
+                " released, failed or expired)",
+            ),
+            "waiting_pulls": gauge(
+                "vllm:pd_kv_waiting_pulls", "Requests this decoder is pulling KV for right now"
+            ),
+        }
         buckets = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10]
         self._push_time = histogram(
             "vllm:pd_kv_push_seconds", "Time to push one request's KV", buckets
@@ -124,6 +145,9 @@ class P2pPromMetrics(KVConnectorPromMetrics):
         for key, metric in self._events.items():
             if d.get(key):
                 metric[engine_idx].inc(len(d[key]))
+        for key, metric in self._gauges.items():
+            if d.get(key):  # aggregated steps: the latest value wins
+                metric[engine_idx].set(d[key][-1])
         for v in d.get("push_seconds", []):
             self._push_time[engine_idx].observe(v)
         for v in d.get("pull_seconds", []):

@@ -76,6 +76,7 @@ class P2pWorker:
         self.recorder = TransferRecorder()
         self._server: SideChannelServer | None = None
         self._client: PullClient | None = None
+        self._gauges_sent: dict[str, int] = {}
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         if any(t.device.type == "cpu" for t in kv_caches.values()):
@@ -185,6 +186,15 @@ class P2pWorker:
         return sending, recving, failed
 
     def take_stats(self) -> dict[str, list[float]] | None:
+        levels: dict[str, int] = {}
+        if self._server is not None:
+            levels["held_requests"] = self.registry.num_held()
+        if self._client is not None:
+            levels["waiting_pulls"] = self._client.num_waiting()
+        for name, value in levels.items():
+            if self._gauges_sent.get(name) != value:  # only changes: idle engines ship nothing
+                self.recorder.gauge(name, value)
+                self._gauges_sent[name] = value
         return self.recorder.take()
 
     def shutdown(self) -> None:
