@@ -60,12 +60,20 @@ class Proxy:
 
     def __init__(self, settings: ProxySettings) -> None:
         self.settings = s = settings
+        self.guard = ConnectionGuard(
+            s.limits.max_connections, s.limits.header_timeout_s, self._limit_hit
+        )
+        self.metrics = ProxyMetrics(
+            lambda: [*self.prefill.instances, *self.decode.instances],
+            client_connections=lambda: self.guard.active,
+        )
         self.prefill = Pool(
             "prefill",
             s.prefill,  # type: ignore[arg-type]
             s.prefill_policy,
             s.breaker,
             load_factor=s.prefix_load_factor,
+            on_event=self._pool_event,
         )
         self.decode = Pool(
             "decode",
@@ -73,13 +81,7 @@ class Proxy:
             s.decode_policy,
             s.breaker,
             load_factor=s.prefix_load_factor,
-        )
-        self.guard = ConnectionGuard(
-            s.limits.max_connections, s.limits.header_timeout_s, self._limit_hit
-        )
-        self.metrics = ProxyMetrics(
-            lambda: [*self.prefill.instances, *self.decode.instances],
-            client_connections=lambda: self.guard.active,
+            on_event=self._pool_event,
         )
         self.bodies = BodyReader(s.limits, self._limit_hit)
         self.parser = BodyParser(s.limits)
@@ -94,6 +96,27 @@ class Proxy:
         self.app = self._build_app()
 
     # -- lifetime -----------------------------------------------------------------------
+
+    def _pool_event(self, event: str, role: str, reason: str, url: str) -> None:
+        self.metrics.pool_event(event, role, reason)
+        open_s = self.settings.breaker.open_s
+        if event == "ejected":
+            logger.warning(
+                "%s instance %s ejected for %gs after consecutive %s failures",
+                role,
+                url,
+                open_s,
+                reason,
+            )
+        elif event == "ejection_refused":
+            logger.warning(
+                "%s instance %s reached its %s-failure threshold but stays in: ejecting it"
+                " would exceed max_ejection_percent or leave no serving %s instance",
+                role,
+                url,
+                reason,
+                role,
+            )
 
     def _limit_hit(self, limit: str) -> None:
         self.metrics.limit_hits.labels(limit).inc()
@@ -291,7 +314,7 @@ class Proxy:
     async def _models(self, request: web.Request) -> web.StreamResponse:
         self._auth(request)
         s = self.settings
-        inst = self.decode.pick(last_resort=True)
+        inst = self.decode.pick(panic=True)
         if inst is None or self.upstream is None:
             raise ProxyError(503, "no decode instance available", "no_instance")
         rid = _request_id(request)

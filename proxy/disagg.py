@@ -161,6 +161,16 @@ class DisaggRouter:
         tokens = tr.prompt_tokens = plan.tokens
         key = plan.key
         alone = plan.alone
+        # The decoder is settled before any prefill, so a request no decoder can take
+        # costs no prefill and holds no blocks.
+        if not self.decode.has_members():
+            tr.outcome = "no_decoder"
+            raise ProxyError(503, "no decode instance available", "no_instance")
+        if alone is None and not self.decode.has_eligible():
+            # Panic routing on decode (every decoder marked down): a transfer would only
+            # be wasted if the pick fails, and a decoder that just came back computes the
+            # prompt itself.
+            alone = "no_healthy_decoder"
         if alone is None and not self.prefill.has_eligible():
             alone = "no_prefiller"
         kv: dict[str, Any] | None = None
@@ -254,7 +264,7 @@ class DisaggRouter:
                 last, last_kind = o.error, "overloaded"
                 continue
             except UpstreamFailure as f:
-                inst.breaker.failure()
+                self.prefill.failure(inst, "gateway")
                 self._leg_failed(tr, "prefill", inst, f.kind, f.error, tried)
                 last, last_kind = f.error, f.kind
                 continue
@@ -262,11 +272,11 @@ class DisaggRouter:
                 lease.release()
                 tr.upstream_wait_s += time.perf_counter() - t
             if status >= 500:
-                inst.breaker.failure()
+                self.prefill.failure(inst, "answer")
                 last, last_kind = from_upstream("prefill", status, content), str(status)
                 self._leg_failed(tr, "prefill", inst, str(status), last, tried)
                 continue
-            inst.breaker.success()
+            self.prefill.success(inst)
             if status != 200:  # the client's mistake: same answer from any prefiller
                 self._m.upstream_errors.labels("prefill", str(status)).inc()
                 raise from_upstream("prefill", status, content)
@@ -309,7 +319,7 @@ class DisaggRouter:
         last: ProxyError | None = None
         last_kind = ""
         for attempt in range(1 + max(0, self._s.decode_retries)):
-            inst = self.decode.pick(key, tried, last_resort=True)
+            inst = self.decode.pick(key, tried, panic=True)
             if inst is None:
                 break
             if attempt:
@@ -335,7 +345,7 @@ class DisaggRouter:
                 last, last_kind = o.error, "overloaded"
                 continue
             except UpstreamFailure as f:
-                inst.breaker.failure()
+                self.decode.failure(inst, "gateway")
                 self._leg_failed(tr, "decode", inst, f.kind, f.error, tried)
                 last, last_kind = f.error, f.kind
                 continue
@@ -346,11 +356,11 @@ class DisaggRouter:
             if status != 200 and secret:  # a decoder echoing its request: scrub the secret
                 content = redact(content, secret)
             if status >= 500:
-                inst.breaker.failure()
+                self.decode.failure(inst, "answer")
                 last, last_kind = from_upstream("decode", status, content), str(status)
                 self._leg_failed(tr, "decode", inst, str(status), last, tried)
                 continue
-            inst.breaker.success()
+            self.decode.success(inst)
             if status != 200:
                 self._m.upstream_errors.labels("decode", str(status)).inc()
                 raise from_upstream("decode", status, content)
@@ -362,8 +372,8 @@ class DisaggRouter:
         raise last
 
     def _overloaded(self, inst: Instance) -> None:
-        """The proxy's own slots to ``inst`` stayed full: not the instance's failure."""
-        inst.breaker.release_trial()
+        """The proxy's own slots to ``inst`` stayed full: not the instance's failure (a
+        half-open trial goes back with the lease)."""
         self._m.limit_hits.labels("upstream_pool").inc()
 
     def _leg_failed(
@@ -373,7 +383,7 @@ class DisaggRouter:
         limit = self._s.prefill_retries if leg == "prefill" else self._s.decode_retries
         done = sum(1 for r in tr.retries if r.startswith(leg))
         pool = self.prefill if leg == "prefill" else self.decode
-        will_retry = done < limit and bool(pool.eligible(tried))
+        will_retry = done < limit and pool.could_pick(tried, panic=leg == "decode")
         if will_retry:
             self._m.retries.labels(leg, kind).inc()
         logger.warning(

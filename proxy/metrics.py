@@ -69,6 +69,15 @@ class _InstanceCollector(Collector):
 
 
 class ProxyMetrics:
+    def pool_event(self, event: str, role: str, reason: str, url: str = "") -> None:
+        """A pool's ``on_event`` hook (see :class:`proxy.pool.Pool`)."""
+        if event == "ejected":
+            self.ejections.labels(role, reason).inc()
+        elif event == "ejection_refused":
+            self.ejections_refused.labels(role, reason).inc()
+        elif event == "panic":
+            self.panic_routing.labels(role).inc()
+
     def __init__(
         self,
         instances: Callable[[], Iterable[Instance]] | None = None,
@@ -99,6 +108,26 @@ class ProxyMetrics:
             "pd_proxy_fallbacks",
             "Requests served by a decoder alone (no prefill leg), by reason",
             ["reason"],
+            registry=r,
+        )
+        self.ejections = Counter(
+            "pd_proxy_ejections",
+            "Instances ejected by their circuit breaker, by role and failure kind (gateway:"
+            " no answer; answer: 5xx)",
+            ["role", "reason"],
+            registry=r,
+        )
+        self.ejections_refused = Counter(
+            "pd_proxy_ejections_refused",
+            "Failures that reached the ejection threshold but were kept in: the role would"
+            " exceed max_ejection_percent or lose its last serving instance",
+            ["role", "reason"],
+            registry=r,
+        )
+        self.panic_routing = Counter(
+            "pd_proxy_panic_routing",
+            "Picks made with no eligible instance in the role: health and breaker ignored",
+            ["role"],
             registry=r,
         )
         self.kv_releases = Counter(

@@ -22,22 +22,31 @@ Clock = Callable[[], float]
 
 
 class CircuitBreaker:
-    """Per instance: opens after N consecutive failures, half-opens after ``open_s``.
+    """Per instance outlier detection: ejects (opens) after consecutive failures, half-opens
+    after ``open_s``.
+
+    Gateway failures (connect errors, resets, timeouts) and 5xx answers are counted apart,
+    each against its own threshold: a poison request fails the same way on every instance,
+    so answers deserve more patience than a refused connection. Opening needs the pool's
+    consent (``may_eject``): a role never has every instance ejected.
 
     States: ``closed`` (all pass), ``open`` (none pass), ``half_open`` (one trial passes;
-    its success closes the breaker, its failure opens it again).
+    its success closes the breaker, its failure opens it again). A trial that ends with no
+    verdict (the client hung up, the proxy's own slots were full) goes back unused.
     """
 
     CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
     STATE_CODE = {CLOSED: 0, HALF_OPEN: 1, OPEN: 2}
+    GATEWAY, ANSWER = "gateway", "answer"
 
     def __init__(self, settings: BreakerSettings, clock: Clock = time.monotonic) -> None:
         self._s = settings
         self._clock = clock
         self._state = self.CLOSED
-        self._failures = 0
+        self._counts = {self.GATEWAY: 0, self.ANSWER: 0}
         self._opened_at = 0.0
         self._trial_out = False
+        self._trial_id = 0
 
     @property
     def state(self) -> str:
@@ -46,27 +55,52 @@ class CircuitBreaker:
             self._trial_out = False
         return self._state
 
+    @property
+    def ejected(self) -> bool:
+        return self.state != self.CLOSED
+
     def allows(self) -> bool:
         st = self.state
         return st == self.CLOSED or (st == self.HALF_OPEN and not self._trial_out)
 
-    def on_pick(self) -> None:
-        if self.state == self.HALF_OPEN:
+    def on_pick(self) -> int | None:
+        """The trial's id when this pick takes the half-open trial, else None."""
+        if self.state == self.HALF_OPEN and not self._trial_out:
             self._trial_out = True
+            self._trial_id += 1
+            return self._trial_id
+        return None
 
     def success(self) -> None:
-        self._state, self._failures, self._trial_out = self.CLOSED, 0, False
+        self._state, self._trial_out = self.CLOSED, False
+        self._counts = {self.GATEWAY: 0, self.ANSWER: 0}
 
-    def release_trial(self) -> None:
-        """No verdict (e.g. the proxy's own connection pool was full): a half-open trial
-        goes back unused instead of blocking the instance until the next verdict."""
-        if self._state == self.HALF_OPEN:
+    def release_trial(self, trial: int) -> None:
+        """The trial ``trial`` ended with no verdict: let another request try."""
+        if self._state == self.HALF_OPEN and self._trial_out and trial == self._trial_id:
             self._trial_out = False
 
-    def failure(self) -> None:
-        self._failures += 1
-        if self.state == self.HALF_OPEN or self._failures >= self._s.failures:
-            self._state, self._opened_at, self._trial_out = self.OPEN, self._clock(), False
+    def failure(self, kind: str, may_eject: Callable[[], bool] = lambda: True) -> str | None:
+        """Count one failure of ``kind``: ``"ejected"`` if it opened the breaker,
+        ``"refused"`` if the threshold was reached but the pool kept the instance in."""
+        limit = self._s.gateway_failures if kind == self.GATEWAY else self._s.answer_failures
+        self._counts[kind] += 1
+        if self.state == self.HALF_OPEN:
+            if limit == 0:  # this kind never ejects; the trial gave no verdict on health
+                self._trial_out = False
+                return None
+            self._open()
+            return "ejected"
+        if self._state == self.OPEN or limit == 0 or self._counts[kind] < limit:
+            return None
+        if not may_eject():
+            return "refused"
+        self._open()
+        return "ejected"
+
+    def _open(self) -> None:
+        self._state, self._opened_at, self._trial_out = self.OPEN, self._clock(), False
+        self._counts = {self.GATEWAY: 0, self.ANSWER: 0}
 
 
 @dataclass(eq=False)
@@ -119,7 +153,7 @@ class Instance:
 class Lease:
     """One leg on one instance; ``release()`` is idempotent."""
 
-    __slots__ = ("_pool", "_released", "instance", "tokens")
+    __slots__ = ("_pool", "_released", "_trial", "instance", "tokens")
 
     def __init__(self, pool: Pool, instance: Instance, tokens: int) -> None:
         self._pool, self.instance, self.tokens = pool, instance, tokens
@@ -127,7 +161,9 @@ class Lease:
         instance.inflight += 1
         instance.inflight_tokens += tokens
         instance.served += 1
-        instance.breaker.on_pick()
+        # The half-open trial this leg carries, if any: handed back at release when the
+        # leg ended with no verdict, or the instance would wait for a verdict forever.
+        self._trial = instance.breaker.on_pick()
         pool._on_change(instance)
 
     def release(self) -> None:
@@ -135,6 +171,8 @@ class Lease:
             return
         self._released = True
         inst = self.instance
+        if self._trial is not None:
+            inst.breaker.release_trial(self._trial)
         inst.inflight -= 1
         inst.inflight_tokens -= self.tokens
         self._pool._on_change(inst)
@@ -169,7 +207,10 @@ class Pool:
         clock: Clock = time.monotonic,
         on_change: Callable[[Instance], None] | None = None,
         on_forget: Callable[[Instance], None] | None = None,
+        on_event: Callable[[str, str, str, str], None] | None = None,
     ) -> None:
+        """``on_event(event, role, reason, url)``: ``ejected`` / ``ejection_refused`` (reason
+        ``gateway`` or ``answer``) and ``panic`` (reason ``no_eligible``, url the pick)."""
         self.role = role
         self.policy = policy
         self._breaker = breaker or BreakerSettings()
@@ -178,6 +219,7 @@ class Pool:
         self._clock = clock
         self._change_cb = on_change
         self._forget_cb = on_forget
+        self._event_cb = on_event
         self._by_url: dict[str, Instance] = {}
         self._rr_current: dict[str, float] = {}
         self._ring = _Ring()
@@ -241,29 +283,67 @@ class Pool:
     def has_eligible(self) -> bool:
         return any(i.eligible() for i in self._by_url.values())
 
+    def could_pick(self, exclude: Sequence[Instance] = (), panic: bool = False) -> bool:
+        if panic:
+            return any(not i.draining and i not in exclude for i in self._by_url.values())
+        return bool(self.eligible(exclude))
+
+    def has_members(self) -> bool:
+        """Any instance that takes new legs at all (healthy or not): panic routing's floor."""
+        return any(not i.draining for i in self._by_url.values())
+
+    # -- verdicts -----------------------------------------------------------------------
+
+    def success(self, inst: Instance) -> None:
+        inst.breaker.success()
+
+    def failure(self, inst: Instance, kind: str) -> None:
+        """A leg on ``inst`` failed: ``gateway`` (no answer) or ``answer`` (a 5xx)."""
+        verdict = inst.breaker.failure(kind, lambda: self._may_eject(inst))
+        if verdict is not None:
+            self._event("ejected" if verdict == "ejected" else "ejection_refused", kind, inst.url)
+
+    def _may_eject(self, inst: Instance) -> bool:
+        """Envoy's rule: at most ``max_ejection_percent`` of the role ejected at once (at
+        least one when the share is above 0), and never the last instance that could serve."""
+        members = [i for i in self._by_url.values() if not i.draining]
+        pct = self._breaker.max_ejection_percent
+        cap = max(1, math.floor(len(members) * pct / 100)) if pct > 0 else 0
+        ejected = sum(1 for i in members if i.breaker.ejected)
+        others = any(i is not inst and i.healthy and not i.breaker.ejected for i in members)
+        return ejected < cap and others
+
+    def _event(self, event: str, reason: str, url: str) -> None:
+        if self._event_cb:
+            self._event_cb(event, self.role, reason, url)
+
     # -- choosing -----------------------------------------------------------------------
 
     def pick(
         self,
         key: bytes | None = None,
         exclude: Sequence[Instance] = (),
-        last_resort: bool = False,
+        panic: bool = False,
     ) -> Instance | None:
         """The policy's choice among eligible instances; None if there is none.
 
-        ``last_resort``: with no eligible instance, try one that failed its health checks
-        (not draining, breaker permitting) rather than fail the request outright; health
-        marks lag behind reality by up to one check interval (e.g. just after start-up).
+        ``panic``: with no eligible instance, pick among every instance that is not
+        draining, health and breaker ignored (Envoy's panic routing), rather than fail the
+        request outright: health marks lag reality by up to ``rise`` check intervals (an
+        instance that just came back), and a try costs little next to a certain 503.
         """
         cands = self.eligible(exclude)
-        if not cands and last_resort:
-            cands = [
-                i
-                for i in self._by_url.values()
-                if not i.draining and i.breaker.allows() and i not in exclude
-            ]
+        if not cands and panic:
+            cands = [i for i in self._by_url.values() if not i.draining and i not in exclude]
+            if cands:
+                chosen = self._choose(cands, key)
+                self._event("panic", "no_eligible", chosen.url)
+                return chosen
         if not cands:
             return None
+        return self._choose(cands, key)
+
+    def _choose(self, cands: list[Instance], key: bytes | None) -> Instance:
         if len(cands) == 1:
             return cands[0]
         if self.policy == "round_robin":

@@ -75,10 +75,44 @@ class HealthSettings:
 
 @dataclass(frozen=True)
 class BreakerSettings:
-    # Consecutive failed requests that open the breaker; how long it stays open before
-    # one trial request (half-open) may pass.
-    failures: int = 3
+    """Outlier detection per instance (see docs/proxy.md, "Ejection and panic routing").
+
+    Two kinds of failure are counted apart: a gateway failure (connect error, reset,
+    timeout) says the instance is sick; a 5xx answer may be the request's own fault (a
+    poison request fails the same way everywhere), so it takes more of them, or never
+    (0). A 4xx answer is never the instance's failure.
+    """
+
+    # Consecutive gateway failures that eject (open) an instance; 0: never.
+    gateway_failures: int = 3
+    # Consecutive 5xx answers that eject an instance; 0: never.
+    answer_failures: int = 5
+    # How long an ejected instance stays out before one trial request (half-open) passes.
     open_s: float = 10.0
+    # Most of a role's instances ejected at once (%), so a burst of bad requests cannot
+    # empty a role; an ejection is also refused when it would leave no healthy instance in.
+    max_ejection_percent: float = 50.0
+    # Deprecated (the single count before gateway/answer were split): sets both thresholds.
+    failures: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.failures is not None:
+            if (self.gateway_failures, self.answer_failures) != (3, 5):
+                raise ValueError(
+                    "breaker.failures is deprecated: use gateway_failures and answer_failures"
+                )
+            object.__setattr__(self, "gateway_failures", self.failures)
+            object.__setattr__(self, "answer_failures", self.failures)
+        for name in ("gateway_failures", "answer_failures"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"breaker.{name} must be an integer >= 0: {v!r}")
+        for name, lo, hi in (("open_s", 0.0, math.inf), ("max_ejection_percent", 0.0, 100.0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+                raise ValueError(f"breaker.{name} must be a finite number: {v!r}")
+            if not (lo <= v <= hi) or (name == "open_s" and v == 0):
+                raise ValueError(f"breaker.{name} out of range: {v!r}")
 
 
 @dataclass(frozen=True)
@@ -303,6 +337,24 @@ def parse_args(argv: list[str] | None = None) -> ProxySettings:
     )
     ap.add_argument("--backend-auth", choices=BACKEND_AUTH)
     ap.add_argument("--health-interval", type=float)
+    ap.add_argument(
+        "--breaker-gateway-failures",
+        type=int,
+        help="consecutive connect errors/resets/timeouts that eject an instance (3; 0: never)",
+    )
+    ap.add_argument(
+        "--breaker-answer-failures",
+        type=int,
+        help="consecutive 5xx answers that eject an instance (5; 0: never)",
+    )
+    ap.add_argument(
+        "--breaker-open-time", type=float, help="seconds an ejected instance stays out (10)"
+    )
+    ap.add_argument(
+        "--max-ejection-percent",
+        type=float,
+        help="most of a role's instances ejected at once, %% (50; one always stays in)",
+    )
     ap.add_argument("--shutdown-grace", type=float)
     ap.add_argument("--allow-empty", action="store_true", default=None)
     a = ap.parse_args(argv)
@@ -349,6 +401,18 @@ def parse_args(argv: list[str] | None = None) -> ProxySettings:
             "max_connections": a.max_client_connections,
         }
         kw["limits"] = replace(lim, **{k: v for k, v in l_over.items() if v is not None})
+        br = kw.get("breaker", BreakerSettings())
+        b_over = {
+            "gateway_failures": a.breaker_gateway_failures,
+            "answer_failures": a.breaker_answer_failures,
+            "open_s": a.breaker_open_time,
+            "max_ejection_percent": a.max_ejection_percent,
+        }
+        b_over = {k: v for k, v in b_over.items() if v is not None}
+        if b_over:
+            # Flags name the new thresholds: a deprecated ``failures`` from a file yields.
+            fixed = {"gateway_failures": br.gateway_failures, "answer_failures": br.answer_failures}
+            kw["breaker"] = replace(br, failures=None, **{**fixed, **b_over})
         if a.health_interval is not None:
             kw["health"] = replace(kw.get("health", HealthSettings()), interval_s=a.health_interval)
         env_keys = [k for k in os.environ.get("PD_PROXY_API_KEYS", "").split(",") if k.strip()]

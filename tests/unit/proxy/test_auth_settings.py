@@ -107,3 +107,19 @@ def test_shipped_configs_load():
     assert found
     for p in found:
         assert load_config(p)["decode"]
+
+
+def test_breaker_flags_and_the_deprecated_key(tmp_path):
+    base = ["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"]
+    s = parse_args([*base, "--breaker-gateway-failures", "2", "--max-ejection-percent", "25"])
+    assert (s.breaker.gateway_failures, s.breaker.answer_failures) == (2, 5)
+    assert s.breaker.max_ejection_percent == 25
+    old = tmp_path / "old.yaml"
+    old.write_text("breaker: {failures: 4, open_s: 3}\n")
+    s = parse_args(["--config", str(old), *base])
+    assert (s.breaker.gateway_failures, s.breaker.answer_failures, s.breaker.open_s) == (4, 4, 3)
+    # A flag names one threshold: the other keeps what the deprecated key gave it.
+    s = parse_args(["--config", str(old), *base, "--breaker-answer-failures", "0"])
+    assert (s.breaker.gateway_failures, s.breaker.answer_failures) == (4, 0)
+    with pytest.raises(SystemExit):  # argparse's error: the message names the key
+        parse_args([*base, "--max-ejection-percent", "150"])

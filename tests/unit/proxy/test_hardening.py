@@ -206,7 +206,7 @@ def long_stream(d: FakeVllm, chunks: int = 2000) -> None:
 def test_slow_readers_are_dropped_and_a_normal_client_is_served_breaker_closed():
     limits = ClientLimits(write_timeout_s=1.0)
     timeouts = Timeouts(connect_s=2.0, pool_wait_s=10.0)
-    breaker = BreakerSettings(failures=1, open_s=60)
+    breaker = BreakerSettings(gateway_failures=1, answer_failures=1, open_s=60)
     with stack(max_connections=3, limits=limits, timeouts=timeouts, breaker=breaker) as (
         px,
         _p,
@@ -235,7 +235,7 @@ def test_slow_readers_are_dropped_and_a_normal_client_is_served_breaker_closed()
 def test_full_upstream_pool_is_503_overloaded_not_a_decoder_failure():
     limits = ClientLimits(write_timeout_s=30.0)
     timeouts = Timeouts(connect_s=2.0, pool_wait_s=0.3)
-    breaker = BreakerSettings(failures=1, open_s=60)
+    breaker = BreakerSettings(gateway_failures=1, answer_failures=1, open_s=60)
     with stack(max_connections=2, limits=limits, timeouts=timeouts, breaker=breaker) as (
         px,
         p,

@@ -187,13 +187,58 @@ def test_one_failed_check_is_below_the_threshold():
 
 
 def test_circuit_breaker_opens_after_consecutive_failures():
-    br = BreakerSettings(failures=2, open_s=60)
+    br = BreakerSettings(gateway_failures=2, answer_failures=2, open_s=60)
     with stack(2, 1, breaker=br, prefill_retries=0) as (px, (p0, _p1), _):
         p0.behavior["status"] = 500
         for _ in range(6):
             httpx.post(px.url + "/v1/completions", json=BODY)
         assert len(p0.received) == 2  # then the breaker kept it out
         assert metric(px.url, "pd_proxy_breaker_state", instance=px.proxy.prefill.urls[0]) == 2
+        assert metric(px.url, "pd_proxy_ejections_total", role="prefill", reason="answer") == 1
+
+
+def test_poison_answers_never_leave_a_single_decoder_ejected():
+    """The issue's outage: one decoder, a few 5xx answers caused by requests, then every
+    normal request refused for open_s. Now the last serving decoder stays in."""
+    br = BreakerSettings(gateway_failures=1, answer_failures=1, open_s=60)
+    with stack(1, 1, breaker=br, decode_retries=0) as (px, _, (d,)):
+        d.behavior["status"] = 500
+        for _ in range(4):
+            assert httpx.post(px.url + "/v1/completions", json=BODY).status_code == 502
+        d.behavior.clear()
+        r = httpx.post(px.url + "/v1/completions", json=BODY)
+        assert r.status_code == 200, r.text
+        assert px.proxy.decode.instances[0].breaker.state == "closed"
+        refused = metric(px.url, "pd_proxy_ejections_refused_total", role="decode")
+        assert refused == 4 and metric(px.url, "pd_proxy_ejections_total") == 0
+
+
+def test_no_decoder_is_a_503_before_any_prefill():
+    """Nothing to decode on: the prefiller is not asked, so no blocks are held for nobody."""
+    with stack(1, 1) as (px, (p,), _):
+        px.call(px.proxy.decode.remove, px.proxy.decode.urls[0])
+        r = httpx.post(px.url + "/v1/completions", json=BODY)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "no_instance"
+        assert p.received == []
+
+
+def test_a_half_open_trial_whose_client_hung_up_goes_back():
+    """Before: the trial stayed "out" forever, so the instance never got traffic again."""
+    br = BreakerSettings(gateway_failures=1, open_s=0.3)
+    with stack(1, 2, breaker=br, decode_retries=0) as (px, _, (d0, _d1)):
+        i0, i1 = px.proxy.decode.instances
+        px.call(px.proxy.decode.failure, i0, "gateway")
+        assert i0.breaker.state == "open"
+        i1.healthy = False  # so the next request is d0's half-open trial
+        time.sleep(0.35)
+        d0.behavior["sleep"] = 10
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(px.url + "/v1/completions", json=BODY, timeout=0.5)
+        assert wait_for(lambda: len(d0.cancelled) == 1, 5)
+        assert wait_for(lambda: px.call(i0.breaker.allows), 5)
+        d0.behavior.clear()
+        assert httpx.post(px.url + "/v1/completions", json=BODY).status_code == 200
+        assert i0.breaker.state == "closed"
 
 
 # -- protocol fidelity --------------------------------------------------------------------
@@ -420,11 +465,15 @@ def test_graceful_shutdown_cancels_after_the_deadline():
         assert wait_for(lambda: d.cancelled == ["cut"], 3)
 
 
-def test_decoder_marked_down_is_still_tried_as_a_last_resort():
-    """Health marks lag (a decoder that just came up): no healthy decoder is not a 503."""
-    with stack(1, 1) as (px, _, (d,)):
+def test_decoders_marked_down_get_panic_routing_without_a_prefill():
+    """Health marks lag (a decoder that just came back): no healthy decoder is not a 503.
+    The request goes to the decoder alone, so a failed pick wastes no prefill."""
+    with stack(1, 1) as (px, (p,), (d,)):
         inst = px.proxy.decode.instances[0]
         px.call(setattr, inst, "healthy", False)
         assert httpx.get(px.url + "/v1/models").status_code == 200
         assert httpx.post(px.url + "/v1/completions", json=BODY).status_code == 200
-        assert len(d.received) == 1
+        assert len(d.received) == 1 and p.received == []
+        assert "kv_transfer_params" not in d.received[0]["body"]
+        assert metric(px.url, "pd_proxy_panic_routing_total", role="decode") == 2
+        assert metric(px.url, "pd_proxy_fallbacks_total", reason="no_healthy_decoder") == 1
