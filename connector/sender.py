@@ -46,6 +46,9 @@ logger = get_logger(__name__)
 WriteFn = Callable[[str, list[int], list[int], list[int]], None]
 Respond = Callable[[PullReply], None]
 
+# The reply error prefix for a push the engine could not write to the decoder.
+_UNREACHABLE = "decoder unreachable"
+
 
 def plan_item(
     local_ids: list[list[int]],
@@ -246,13 +249,43 @@ class PushHandler:
                     return
                 job = queue.popleft()
                 self._queued -= 1
+            unreachable = False
             try:
                 reply = self._push(job)
+                unreachable = reply.error.startswith(_UNREACHABLE)
             except Exception as exc:  # never leave a claimed request or a queue behind
                 self._registry.finish(job.item.transfer_id, Outcome.FAILED)
                 logger.exception("push of %s failed unexpectedly", safe(job.item.transfer_id))
                 reply = PullReply(job.req.msg_id, job.item.transfer_id, ok=False, error=str(exc))
             job.respond(reply)
+            if unreachable:
+                self._fail_queued(session)
+
+    def _fail_queued(self, session: str) -> None:
+        """The engine could not write to this decoder (dead, frozen past the transfer
+        timeout, or cut off): the pushes queued behind would each wait out the same
+        timeout, so they fail now and their blocks go back (the decoder recomputes)."""
+        with self._lock:  # the queue itself stays: this thread is still its drainer
+            queue = self._queues[session]
+            left = list(queue)
+            queue.clear()
+            self._queued -= len(left)
+        if not left:
+            return
+        logger.warning(
+            "decoder %s unreachable: failing its %d queued pushes now", safe(session), len(left)
+        )
+        for job in left:
+            self._rec.event("push_failures")
+            self._registry.finish(job.item.transfer_id, Outcome.FAILED)
+            job.respond(
+                PullReply(
+                    job.req.msg_id,
+                    job.item.transfer_id,
+                    ok=False,
+                    error=f"{_UNREACHABLE}: an earlier push to it failed",
+                )
+            )
 
     def _push(self, job: _Job) -> PullReply:
         req, tid = job.req, job.item.transfer_id
@@ -284,7 +317,10 @@ class PushHandler:
                 exc,
                 exc_info=not expected,
             )
-            return PullReply(req.msg_id, tid, ok=False, error=str(exc)[:500])
+            error = str(exc)[:450]
+            if isinstance(exc, TransferError):
+                error = f"{_UNREACHABLE}: {error}"
+            return PullReply(req.msg_id, tid, ok=False, error=error)
         elapsed = time.perf_counter() - t0
         self._registry.finish(tid, Outcome.SENT)
         n_blocks = sum(len(w) for w in written)

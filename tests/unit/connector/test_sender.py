@@ -273,3 +273,41 @@ def test_reply_must_match_what_was_asked():
     assert "bytes" in check_reply(short, [[3, 4]], mem.groups)
     dup = PullReply(1, "t", ok=True, num_bytes=2 * per_block, written=[[3, 3]])
     assert check_reply(dup, [[3, 4]], mem.groups)
+
+
+def test_an_unreachable_decoder_fails_its_queued_pushes_at_once():
+    """A decoder that vanished mid-push: the engine's write fails after its transfer
+    timeout once; the pushes queued behind fail at once instead of each waiting it out."""
+    from connector.transport import TransferError
+
+    reg = SendRegistry(expiry_s=60)
+    calls: list[str] = []
+
+    def write(session, *args):
+        calls.append(session)
+        if session == "gone:1":
+            time.sleep(0.2)  # the transfer timeout, shortened
+            raise TransferError("batch_transfer_sync_write", -1)
+
+    replies: list[PullReply] = []
+    for i in range(4):
+        reg.add(f"g{i}", [[1]], "k")
+    reg.add("ok", [[1]], "k")
+    with ThreadPoolExecutor(2) as pool:
+        h = handler(reg, write, executor=pool)
+        h.accept(
+            pull([PullItem(f"g{i}", "k", [[2]]) for i in range(4)], session="gone:1"),
+            replies.append,
+        )
+        deadline = time.monotonic() + 5
+        while len(replies) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        h.accept(pull([PullItem("ok", "k", [[2]])], session="gone:1", msg_id=2), replies.append)
+        deadline = time.monotonic() + 5
+        while len(replies) < 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    # g0 waited out the timeout; g1-g3 were failed without a write; a later pull is tried.
+    assert calls.count("gone:1") == 2
+    failed = [r for r in replies if not r.ok]
+    assert len(failed) == 5 and all(r.error.startswith("decoder unreachable") for r in failed)
+    assert reg.take_finished() == {"g0", "g1", "g2", "g3", "ok"} and reg.num_held() == 0
