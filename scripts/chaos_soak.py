@@ -37,6 +37,15 @@ from scripts.chaos.report import fault_table, invariant_table, outcome_counts, p
 from scripts.pdlab import DEFAULT_MODEL, ROOT
 
 MODEL = "tiny-llama"
+# The smoke (tests/e2e/test_chaos_smoke.py): one fault of each family in 3 minutes.
+SMOKE_KINDS = [
+    S.KILL_DECODE,
+    S.STOP_PREFILL,
+    S.BLOCK_SIDE_CHANNEL,
+    S.HANGUP_MID_STREAM,
+    S.POISON_400,
+    S.ADMIN_REMOVE_ADD,
+]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -60,8 +69,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--no-lean", action="store_true", help="vLLM's default multiprocessing")
     ap.add_argument("--rss-margin", type=float, default=0.10, help="allowed RSS growth fraction")
     ap.add_argument("--rss-margin-mb", type=float, default=64.0, help="plus this many MiB")
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="3-minute variant: --duration 180, six fault kinds, 10 s holds, short gaps",
+    )
     ap.add_argument("--strict-goals", action="store_true", help="timing goals gate the exit code")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.duration, args.warmup, args.hold, args.gap = 180.0, 10.0, 10.0, (3.0, 5.0)
+        args.faults = args.faults or ",".join(SMOKE_KINDS)
+    return args
 
 
 def proxy_args(args: argparse.Namespace) -> list[str]:
@@ -118,11 +136,12 @@ def proxy_routes(log: Path) -> dict[str, dict[str, Any]]:
     except OSError:
         return out
     for line in text.splitlines():
-        i = line.find("proxy.request: {")
-        if i < 0:
+        i = line.find(" proxy.request: ")
+        j = line.find("{", i) if i >= 0 else -1
+        if j < 0:
             continue
         try:
-            d = json.loads(line[i + len("proxy.request: ") :])
+            d = json.loads(line[j:])
         except ValueError:
             continue
         out[d.get("request_id", "")] = d
@@ -276,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
             f"# {title}",
             f"Command: `{cmd}`",
             f"Lab: {'two-host namespaces' if why is None else 'loopback'}; "
-            + ("; ".join(notes) if notes else "all fault kinds"),
+            + "; ".join([*notes, f"fault kinds: {', '.join(kinds)}"]),
             f"Requests by outcome: {counts}",
             "## Invariants\n\n" + invariant_table(checks),
             "## Faults\n\n" + fault_table(timings),

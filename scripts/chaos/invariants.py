@@ -233,7 +233,7 @@ def fault_timings(
             FaultTiming(
                 index=f["index"],
                 kind=f["kind"],
-                target=f.get("name") or "proxy",
+                target=f.get("name") or f.get("role", "-"),
                 start=ws,
                 back=back,
                 detect_s=None if detect is None else round(detect - ws, 3),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -39,12 +40,14 @@ class Monitor:
         sink: Callable[[Record], None],
         interval_s: float = 1.0,
         rss_every: int = 5,
+        rss_warmup_s: float = 60.0,
     ) -> None:
         self.lab = lab
         self.clock = clock
         self.sink = sink
         self.interval_s = interval_s
         self.rss_every = rss_every
+        self.rss_warmup_s = rss_warmup_s
         self.levels: dict[str, dict[str, float]] = {}
         self.proxy: dict[str, Any] | None = None
         self.rss: dict[str, list[tuple[float, float]]] = {}
@@ -91,6 +94,8 @@ class Monitor:
             for name, ch in procs:
                 if ch.proc is None or not ch.alive():
                     continue
+                if time.monotonic() - ch.started_at < self.rss_warmup_s:
+                    continue  # a process still warming up (first requests, allocator) grows
                 mib = tree_rss_mib(ch.pid)
                 if mib is not None:
                     self.rss.setdefault(f"{name} pid {ch.pid}", []).append((t, mib))

@@ -29,17 +29,17 @@ POISON_500 = "poison_500"
 ADMIN_REMOVE_ADD = "admin_remove_add"
 
 KINDS: dict[str, tuple[str, float]] = {
-    KILL_PREFILL: ("prefill", 45.0),
-    KILL_DECODE: ("decode", 45.0),
+    KILL_PREFILL: ("prefill", 30.0),
+    KILL_DECODE: ("decode", 30.0),
     STOP_PREFILL: ("prefill", 12.0),
     STOP_DECODE: ("decode", 12.0),
-    BLOCK_SIDE_CHANNEL: ("prefill", 12.0),
-    BLOCK_MOONCAKE: ("decode", 12.0),
-    HANGUP_BEFORE_PREFILL: ("proxy", 3.0),
-    HANGUP_BETWEEN_LEGS: ("proxy", 3.0),
-    HANGUP_MID_STREAM: ("proxy", 3.0),
-    POISON_400: ("proxy", 2.0),
-    POISON_500: ("proxy", 2.0),
+    BLOCK_SIDE_CHANNEL: ("kv-net", 12.0),
+    BLOCK_MOONCAKE: ("kv-net", 12.0),
+    HANGUP_BEFORE_PREFILL: ("client", 3.0),
+    HANGUP_BETWEEN_LEGS: ("client", 3.0),
+    HANGUP_MID_STREAM: ("client", 3.0),
+    POISON_400: ("client", 2.0),
+    POISON_500: ("client", 2.0),
     ADMIN_REMOVE_ADD: ("decode", 15.0),
 }
 PARTITIONS = (BLOCK_SIDE_CHANNEL, BLOCK_MOONCAKE)
@@ -52,7 +52,7 @@ class PlannedFault:
     index: int
     kind: str
     role: str
-    target: int  # instance index within its role (0 or 1); -1 for proxy-level faults
+    target: int  # instance index within its role (0 or 1); -1 for client and network faults
     planned_start_s: float  # seconds after load start
     hold_s: float  # how long the fault is applied (freeze, partition, drain) where it applies
     estimate_s: float  # estimated start -> end
@@ -100,7 +100,7 @@ def plan(
             est = max(estimate, held)
             if t + est + settle_s > duration_s - tail_s:
                 return out
-            if role == "proxy":
+            if role not in ("prefill", "decode"):
                 target = -1
             else:
                 target = next_target.get(kind, rng.randrange(per_role))

@@ -28,7 +28,7 @@ def test_windows_never_overlap_and_fit_the_run(seed):
     for f in plan:
         assert f.planned_start_s >= 15.0
         assert f.planned_start_s + f.estimate_s + settle <= 600 - 10
-        assert (f.target == -1) == (f.role == "proxy")
+        assert (f.target == -1) == (f.role not in ("prefill", "decode"))
     assert [f.index for f in plan] == list(range(len(plan)))
 
 
@@ -56,7 +56,7 @@ def test_subset_short_run_and_unknown_kind():
 
 def test_overlap_detector():
     f = S.PlannedFault
-    a = f(0, S.POISON_400, "proxy", -1, 10.0, 0.0, 2.0)
-    b = f(1, S.POISON_500, "proxy", -1, 16.0, 0.0, 2.0)
+    a = f(0, S.POISON_400, "client", -1, 10.0, 0.0, 2.0)
+    b = f(1, S.POISON_500, "client", -1, 16.0, 0.0, 2.0)
     assert not S.windows_overlap([a, b], settle_s=4.0)
     assert S.windows_overlap([a, b], settle_s=4.5)
