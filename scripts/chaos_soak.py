@@ -33,6 +33,7 @@ from scripts.chaos.invariants import evaluate
 from scripts.chaos.lab import SoakLab, build
 from scripts.chaos.load import Client, now_fn, run_load
 from scripts.chaos.monitor import Monitor
+from scripts.chaos.promtext import log_signals
 from scripts.chaos.report import fault_table, invariant_table, outcome_counts, plot
 from scripts.pdlab import DEFAULT_MODEL, ROOT
 
@@ -102,6 +103,7 @@ class Journal:
         self.f = path.open("w")
         self.requests: list[dict[str, Any]] = []
         self.faults: list[dict[str, Any]] = []
+        self.wall0 = 0.0  # wall-clock time of the load's start
 
     def __call__(self, rec: dict[str, Any]) -> None:
         if rec["type"] == "request":
@@ -159,6 +161,7 @@ async def soak(args: argparse.Namespace, lab: SoakLab, out: Path, plan: list[S.P
     )
     journal = Journal(out / "events.jsonl")
     clock = now_fn()
+    journal.wall0 = time.time() - clock()
     stop = asyncio.Event()
     monitor = Monitor(lab, clock, journal)
     async with Client(lab.proxy_url, MODEL, clock, journal, deadline_s=args.deadline) as client:
@@ -272,6 +275,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         lab.stop()
     routes = proxy_routes(out / "logs" / "proxy.log")
+    with contextlib.suppress(OSError):
+        text = (out / "logs" / "proxy.log").read_text(errors="replace")
+        monitor.signals.extend(log_signals(text, journal.wall0))
+        monitor.signals.sort(key=lambda s: s["t"])
     for r in journal.requests:
         line = routes.get(r["id"])
         if line:

@@ -232,13 +232,14 @@ class FaultRunner:
         )
 
     async def _hangup_before_prefill(self, f: S.PlannedFault, inst: Any, rec: Record) -> None:
-        case = long_case(self.vocab, 700, 8)
-        await self._hangups(f, rec, [(case, False, Hangup(after_s=0.03)) for _ in range(3)])
+        # A new prompt each time: a prefix-cache hit would finish the prefill at once.
+        cases = [long_case(self.vocab, 700, 8, seed=1000 * f.index + i) for i in range(3)]
+        await self._hangups(f, rec, [(c, False, Hangup(after_s=0.03)) for c in cases])
 
     async def _hangup_between_legs(self, f: S.PlannedFault, inst: Any, rec: Record) -> None:
-        case = long_case(self.vocab, 600, 300)
         hang = [Hangup(after_s=s) for s in (0.6, 1.0, 1.6)]
-        await self._hangups(f, rec, [(case, False, h) for h in hang])
+        cases = [long_case(self.vocab, 600, 300, seed=1000 * f.index + i) for i in range(3)]
+        await self._hangups(f, rec, list(zip(cases, [False] * 3, hang, strict=True)))
 
     async def _hangup_mid_stream(self, f: S.PlannedFault, inst: Any, rec: Record) -> None:
         case = long_case(self.vocab, 100, 200)

@@ -241,7 +241,8 @@ def fault_timings(
                 if recover_at is None or back is None
                 else round(recover_at - back, 3),
                 requests=len(in_win),
-                errors=sum(1 for r in in_win if is_failure(r)),
+                # A failure belongs to the window it ended in (when it failed).
+                errors=sum(1 for r in in_win if is_failure(r) and ws <= (r.get("end") or 0) <= we),
                 expected_errors=sum(1 for r in in_win if r.get("expected")),
                 notes=list(f.get("notes", [])),
             )

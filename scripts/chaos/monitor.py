@@ -120,7 +120,8 @@ class Monitor:
             while True:
                 out = {}
                 for inst in self.lab.instances:
-                    if not inst.child.alive():
+                    if not inst.child.alive():  # an instance that should be up is not
+                        out[inst.name] = {}
                         continue
                     page = await self.scrape(session, inst.url)
                     out[inst.name] = instance_levels(page) if page else {}

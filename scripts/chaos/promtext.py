@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 from typing import Any
 
 _LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
@@ -106,4 +107,28 @@ def proxy_changes(prev: dict[str, Any] | None, cur: dict[str, Any]) -> list[str]
     for k, v in cur["counters"].items():
         if v > prev["counters"].get(k, 0.0):
             out.append(f"{k} +{v - prev['counters'].get(k, 0.0):g}")
+    return out
+
+
+_LOG = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) (WARNING|ERROR) (\S+): (.*)$")
+
+
+def log_signals(text: str, wall0: float) -> list[dict[str, Any]]:
+    """The proxy's WARNING/ERROR lines as signals at their millisecond timestamps, in
+    seconds since ``wall0`` (the load's start on the wall clock; logging uses local time).
+    Finer than the 1 s metric scrapes: a dead instance is usually seen here first."""
+    out = []
+    for line in text.splitlines():
+        m = _LOG.match(line)
+        if not m:
+            continue
+        wall = time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")) + int(m.group(2)) / 1e3
+        out.append(
+            {
+                "type": "signal",
+                "t": round(wall - wall0, 3),
+                "kind": "proxy_log",
+                "what": m.group(5)[:240],
+            }
+        )
     return out

@@ -143,3 +143,28 @@ def test_proxy_changes_are_signals():
     )
     assert any("client_disconnects" in c for c in changes)
     assert proxy_changes(b, b) == []
+
+
+def test_proxy_log_warnings_become_millisecond_signals():
+    import time
+
+    from scripts.chaos.promtext import log_signals
+
+    text = (
+        "2026-11-23 16:38:19,670 WARNING proxy.app: prefill instance http://p0 ejected for 5s\n"
+        '2026-11-23 16:38:19,700 INFO proxy.request: request {"request_id": "x"}\n'
+        "2026-11-23 16:38:21,005 ERROR proxy.app: request y failed unexpectedly: boom\n"
+    )
+    wall0 = time.mktime(time.strptime("2026-11-23 16:38:19", "%Y-%m-%d %H:%M:%S"))
+    sigs = log_signals(text, wall0)
+    assert [s["t"] for s in sigs] == [0.67, 2.005]
+    assert sigs[0]["what"].startswith("prefill instance http://p0 ejected")
+
+
+def test_a_failure_belongs_to_the_window_it_ended_in():
+    first = {**FAULT, "index": 0, "start": 10.0, "end": 20.0, "settle_end": 25.0}
+    second = {**FAULT, "index": 1, "start": 26.0, "end": 30.0, "settle_end": 35.0}
+    reqs = [req(0, 22.0, 31.0, "error")]  # started in the first window, failed in the second
+    t1, t2 = I.fault_timings([first, second], reqs, [])
+    assert (t1.errors, t2.errors) == (0, 1)
+    assert t1.requests == t2.requests == 1
