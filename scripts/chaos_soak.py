@@ -33,7 +33,7 @@ from scripts.chaos.invariants import evaluate
 from scripts.chaos.lab import SoakLab, build
 from scripts.chaos.load import Client, now_fn, run_load
 from scripts.chaos.monitor import Monitor
-from scripts.chaos.promtext import log_signals
+from scripts.chaos.promtext import log_signals, proxy_up_times
 from scripts.chaos.report import fault_table, invariant_table, outcome_counts, plot
 from scripts.pdlab import DEFAULT_MODEL, ROOT
 
@@ -162,6 +162,7 @@ async def soak(args: argparse.Namespace, lab: SoakLab, out: Path, plan: list[S.P
     journal = Journal(out / "events.jsonl")
     clock = now_fn()
     journal.wall0 = time.time() - clock()
+    journal({"type": "clock", "wall0": journal.wall0})
     stop = asyncio.Event()
     monitor = Monitor(lab, clock, journal)
     async with Client(lab.proxy_url, MODEL, clock, journal, deadline_s=args.deadline) as client:
@@ -275,10 +276,12 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         lab.stop()
     routes = proxy_routes(out / "logs" / "proxy.log")
+    ups: list[tuple[float, str]] = []
     with contextlib.suppress(OSError):
         text = (out / "logs" / "proxy.log").read_text(errors="replace")
         monitor.signals.extend(log_signals(text, journal.wall0))
         monitor.signals.sort(key=lambda s: s["t"])
+        ups = proxy_up_times(text, journal.wall0)
     for r in journal.requests:
         line = routes.get(r["id"])
         if line:
@@ -289,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
             f.write(json.dumps(r, separators=(",", ":")) + "\n")
     checks, timings = evaluate(
         journal.requests, journal.faults, final, monitor.rss, monitor.signals,
-        rss_margin_frac=args.rss_margin, rss_margin_mb=args.rss_margin_mb,
+        rss_margin_frac=args.rss_margin, rss_margin_mb=args.rss_margin_mb, ups=ups,
     )  # fmt: skip
     if args.strict_goals:
         for c in checks:

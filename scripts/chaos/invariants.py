@@ -50,6 +50,7 @@ class FaultTiming:
     back: float | None
     detect_s: float | None
     recover_s: float | None
+    proxy_up_s: float | None = None  # back -> the proxy's health checks took it back
     requests: int = 0
     errors: int = 0
     expected_errors: int = 0
@@ -197,6 +198,7 @@ def fault_timings(
     faults: Sequence[dict[str, Any]],
     reqs: Sequence[dict[str, Any]],
     signals: Sequence[dict[str, Any]],
+    ups: Sequence[tuple[float, str]] = (),
 ) -> list[FaultTiming]:
     """Per fault: time to detect and time to full recovery.
 
@@ -206,6 +208,9 @@ def fault_timings(
     Recover: from ``back`` to the start of the first request served OK by the faulted
     instance (process faults, admin re-add), or to the first KV transfer seen after a
     partition lifted; for hang-ups and poison, to the first OK request started after it.
+    Proxy up (process faults): from ``back`` to the proxy's "instance is up" log line after
+    the fault started (``ups``); it may be slightly negative, the proxy's check can pass
+    before the soak's own poll sees the instance.
     """
     out = []
     for f in faults:
@@ -229,6 +234,10 @@ def fault_timings(
                 recover_at = first_at_or_after(
                     [r["start"] for r in reqs if r["outcome"] == OK], back
                 )
+        proxy_up = None
+        if back is not None and f["kind"] in PROCESS:
+            seen = [t for t, u in ups if u == url and t >= ws]
+            proxy_up = round(min(seen) - back, 3) if seen else None
         out.append(
             FaultTiming(
                 index=f["index"],
@@ -240,6 +249,7 @@ def fault_timings(
                 recover_s=None
                 if recover_at is None or back is None
                 else round(recover_at - back, 3),
+                proxy_up_s=proxy_up,
                 requests=len(in_win),
                 # A failure belongs to the window it ended in (when it failed).
                 errors=sum(1 for r in in_win if is_failure(r) and ws <= (r.get("end") or 0) <= we),
@@ -251,18 +261,31 @@ def fault_timings(
 
 
 def goal_checks(timings: Sequence[FaultTiming]) -> list[Check]:
-    """Issue 11's timing goals, reported (not gating: a loaded 2-core box is noisy)."""
+    """Issue 11's timing goals, reported (not gating: a loaded 2-core box is noisy).
+
+    Recovery: the proxy takes the instance back (its health check) within the goal; the
+    first request it then serves also depends on arrivals and the policy, so it is shown
+    beside it, not judged."""
     proc = [t for t in timings if t.kind in PROCESS]
-    rec = [t.recover_s for t in proc if t.recover_s is not None]
-    missing = [t.index for t in proc if t.recover_s is None]
+    ups = [t.proxy_up_s for t in proc if t.proxy_up_s is not None]
+    served = [t.recover_s for t in proc if t.recover_s is not None]
+    missing = [t.index for t in proc if t.proxy_up_s is None]
     det_kinds = ("kill_prefill", "kill_decode")
     det = [t.detect_s for t in timings if t.kind in det_kinds and t.detect_s is not None]
+    detail = (
+        f"proxy took it back after max {max(ups):.2f} s over {len(ups)} faults"
+        if ups
+        else "no measurement"
+    )
+    if served:
+        detail += f"; first request served OK by it after max {max(served):.2f} s"
+    if missing:
+        detail += f"; not taken back: faults {missing}"
     return [
         Check(
             f"recovery <= {GOAL_RECOVERY_S:g} s after a process comes back",
-            bool(rec) and not missing and max(rec) <= GOAL_RECOVERY_S,
-            (f"max {max(rec):.2f} s over {len(rec)} faults" if rec else "no measurement")
-            + (f"; not recovered: faults {missing}" if missing else ""),
+            bool(ups) and not missing and max(ups) <= GOAL_RECOVERY_S,
+            detail,
             gating=False,
         ),
         Check(
@@ -282,8 +305,9 @@ def evaluate(
     signals: Sequence[dict[str, Any]],
     rss_margin_frac: float = 0.10,
     rss_margin_mb: float = 64.0,
+    ups: Sequence[tuple[float, str]] = (),
 ) -> tuple[list[Check], list[FaultTiming]]:
-    timings = fault_timings(faults, reqs, signals)
+    timings = fault_timings(faults, reqs, signals, ups)
     in_win, rate = check_errors_in_windows(reqs, faults)
     checks = [
         check_no_hang(reqs),

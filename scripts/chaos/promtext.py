@@ -132,3 +132,20 @@ def log_signals(text: str, wall0: float) -> list[dict[str, Any]]:
             }
         )
     return out
+
+
+_UP = re.compile(
+    r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) INFO proxy\.app: \w+ instance (\S+) is up$"
+)
+
+
+def proxy_up_times(text: str, wall0: float) -> list[tuple[float, str]]:
+    """(seconds since ``wall0``, instance URL) of each "instance ... is up" line: when the
+    proxy's health checks took an instance back."""
+    out = []
+    for line in text.splitlines():
+        m = _UP.match(line)
+        if m:
+            wall = time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S"))
+            out.append((round(wall + int(m.group(2)) / 1e3 - wall0, 3), m.group(3)))
+    return out

@@ -31,15 +31,16 @@ def invariant_table(checks: Sequence[Check]) -> str:
 
 def fault_table(timings: Sequence[FaultTiming]) -> str:
     rows = [
-        "| # | fault | target | start s | back s | detect s | recover s | requests | "
-        "unexpected errors | intended | notes |",
-        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| # | fault | target | start s | back s | detect s | proxy up s | recover s | "
+        "requests | unexpected errors | intended | notes |",
+        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for t in timings:
         notes = "; ".join(t.notes).replace("|", "/")
         rows.append(
             f"| {t.index} | {t.kind} | {t.target} | {t.start:.1f} | {_fmt(t.back)} | "
-            f"{_fmt(t.detect_s)} | {_fmt(t.recover_s)} | {t.requests} | {t.errors} | "
+            f"{_fmt(t.detect_s)} | {_fmt(t.proxy_up_s)} | {_fmt(t.recover_s)} | "
+            f"{t.requests} | {t.errors} | "
             f"{t.expected_errors} | {notes} |"
         )
     return "\n".join(rows)
@@ -98,7 +99,7 @@ def plot(
         plt.Line2D([0], [0], color=c, lw=3, label=f"{k} ({counts.get(k, 0)})")
         for k, c in COLOURS.items()
     ]
-    ax.legend(handles=handles, loc="upper left", fontsize=8)
+    ax.legend(handles=handles, loc="lower right", fontsize=8)
     ax.set_xlabel("seconds since load start (grey: fault windows incl. settle; dashed: back)")
     ax.set_ylabel("requests (by start time)")
     ax.set_title(title, fontsize=10)

@@ -168,3 +168,23 @@ def test_a_failure_belongs_to_the_window_it_ended_in():
     t1, t2 = I.fault_timings([first, second], reqs, [])
     assert (t1.errors, t2.errors) == (0, 1)
     assert t1.requests == t2.requests == 1
+
+
+def test_proxy_taking_the_instance_back_is_the_recovery_goal():
+    import time
+
+    from scripts.chaos.promtext import proxy_up_times
+
+    text = (
+        "2026-11-23 16:38:19,500 INFO proxy.app: decode instance http://d1 is up\n"
+        "2026-11-23 16:38:19,600 WARNING proxy.app: decode instance http://d1 is down: x\n"
+    )
+    wall0 = time.mktime(time.strptime("2026-11-23 16:38:00", "%Y-%m-%d %H:%M:%S"))
+    ups = proxy_up_times(text, wall0)
+    assert ups == [(19.5, "http://d1")]
+    reqs = [req(0, 33.5, 34, decode_url="http://d1")]
+    late_up = [(5.0, "http://d1"), (30.8, "http://d1"), (31.0, "http://d0")]
+    (t,) = I.fault_timings([FAULT], reqs, [], late_up)
+    assert t.proxy_up_s == 0.8 and t.recover_s == 3.5
+    recovery, _ = I.goal_checks([t])
+    assert recovery.passed and "first request served OK by it after max 3.50 s" in recovery.detail
