@@ -100,6 +100,7 @@ class P2pMooncakeConnector(KVConnectorBase_V1, SupportsHMA):
                 can_consume=ktc.is_kv_consumer,
                 groups=groups,
                 compat=compat_of(vllm_config, settings),
+                tp_size=par.tensor_parallel_size,
             )
 
     # --- worker side -----------------------------------------------------------------------
@@ -223,7 +224,7 @@ def compat_of(vllm_config: VllmConfig, settings: ConnectorSettings) -> Compat:
         dtype=str(model.dtype).removeprefix("torch."),
         kv_cache_dtype=str(vllm_config.cache_config.cache_dtype),
         num_layers=model.get_num_layers(par),
-        num_kv_heads=model.get_num_kv_heads(par),
+        # MLA's latent KV is one "head" that every rank holds whole (connector.tp).
+        total_kv_heads=1 if model.use_mla else model.get_total_num_kv_heads(),
         head_size=model.get_head_size(),
-        tp_size=par.tensor_parallel_size,
     )

@@ -92,9 +92,9 @@ def test_every_list_and_string_is_bounded():
 def test_compat_mismatch_names_each_field():
     from connector.wire import Compat
 
-    a = Compat(PROTOCOL_VERSION, "m", "bfloat16", "auto", 2, 2, 32, 1)
+    a = Compat(PROTOCOL_VERSION, "m", "bfloat16", "auto", 2, 2, 32)
     assert a.mismatch(a) == ""
-    b = Compat(PROTOCOL_VERSION, "other", "float16", "auto", 2, 2, 32, 1)
+    b = Compat(PROTOCOL_VERSION, "other", "float16", "auto", 2, 2, 32)
     msg = a.mismatch(b)
     assert "model 'm' here vs 'other'" in msg and "dtype" in msg and "head_size" not in msg
     assert "no compatibility fingerprint" in a.mismatch(None)
