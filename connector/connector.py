@@ -68,7 +68,7 @@ class P2pMooncakeConnector(KVConnectorBase_V1, SupportsHMA):
         groups = group_specs(kv_cache_config)
         par = vllm_config.parallel_config
         # Each DP engine gets its own range of side-channel ports, one per TP rank.
-        base_port = settings.side_channel_port + par.data_parallel_rank * par.tensor_parallel_size
+        base_port = settings.engine_base_port(par.data_parallel_rank, par.tensor_parallel_size)
         self._scheduler: P2pScheduler | None = None
         self._worker: P2pWorker | None = None
         if role == KVConnectorRole.SCHEDULER:

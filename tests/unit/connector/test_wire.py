@@ -100,3 +100,12 @@ def test_compat_mismatch_names_each_field():
     assert "no compatibility fingerprint" in a.mismatch(None)
     with_compat = make_pull(compat=a, want_digest=True)
     assert decode_pull(encode(with_compat)) == with_compat
+
+
+def test_decoder_tp_fields_are_bounded():
+    msg = make_pull(tp_size=4, tp_rank=3)
+    assert decode_pull(encode(msg)) == msg
+    for bad in ({"tp_size": 0}, {"tp_rank": -1}, {"tp_size": 1 << 20}):
+        raw = msgspec.msgpack.encode({**msgspec.to_builtins(make_pull()), **bad})
+        with pytest.raises(WireError):
+            decode_pull(raw)
