@@ -101,10 +101,12 @@ class P2pWorker:
                 lay.block_len,
                 lay.block_stride,
             )
-        if self._tp_size > 1 and not all(g.head_bytes for g in self.memory.groups):
-            logger.warning(
-                "KV blocks do not hold heads outermost: this instance can only exchange KV "
-                "with a peer of the same TP size (%d)",
+        if all(g.head_bytes for g in self.memory.groups):
+            logger.info("KV blocks hold heads outermost: peers of any TP size can exchange KV")
+        else:
+            logger.info(
+                "KV blocks do not hold heads outermost: only peers of TP size %d can exchange "
+                "KV with this instance (a pull across TP sizes fails and recomputes)",
                 self._tp_size,
             )
         logger.info(
