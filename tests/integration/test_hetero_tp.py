@@ -3,13 +3,7 @@ rank, every head's bytes checked where it lands."""
 
 from __future__ import annotations
 
-import json
-import os
-import select
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -18,11 +12,11 @@ from connector.settings import ConnectorSettings
 from connector.wire import PROTOCOL_VERSION, Compat
 from connector.worker import P2pWorker
 from tests.integration.kvbuf import head_bytes, make_caches
+from tests.integration.proc import WorkerProc
 from tests.servers import free_port
 
 pytestmark = pytest.mark.integration
 
-ROOT = Path(__file__).resolve().parents[2]
 TOTAL_HEADS = 2
 COMPAT = {
     "protocol": PROTOCOL_VERSION,
@@ -36,43 +30,10 @@ COMPAT = {
 BASE = {"num_blocks": 32, "layers": 2, "block_size": 32, "head": 32, "compat": COMPAT}
 
 
-class Proc:
-    """A prefiller or decoder worker process (tests/integration/*_proc.py)."""
-
-    def __init__(self, module: str, cfg: dict) -> None:
-        self.cfg = cfg
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", f"tests.integration.{module}", json.dumps(cfg)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            cwd=ROOT,
-            text=True,
-            env={**os.environ, "MC_LOG_LEVEL": "ERROR"},
-        )
-        assert self.read(60)["event"] == "ready"
-
-    def read(self, timeout: float = 20) -> dict:
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        assert ready, "worker process did not answer"
-        line = self.proc.stdout.readline()
-        assert line, f"worker exited with {self.proc.poll()}"
-        return json.loads(line)
-
-    def call(self, **cmd) -> dict:
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        return self.read()
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.call(cmd="quit")
-            self.proc.wait(20)
-
-
-def prefill_ranks(tp: int, port: int) -> list[Proc]:
+def prefill_ranks(tp: int, port: int) -> list[WorkerProc]:
     heads = max(1, TOTAL_HEADS // tp)
     return [
-        Proc(
+        WorkerProc(
             "prefiller_proc",
             {**BASE, "heads": heads, "port": port + r, "tp_size": tp, "tp_rank": r, "seed": 7 + r},
         )
@@ -80,12 +41,12 @@ def prefill_ranks(tp: int, port: int) -> list[Proc]:
     ]
 
 
-def p_head(p: Proc, layer: int, block: int, head: int) -> bytes:
+def p_head(p: WorkerProc, layer: int, block: int, head: int) -> bytes:
     _, caches = make_caches(p.cfg, seed=p.cfg["seed"])
     return head_bytes(caches, layer, block, head)
 
 
-def wait_sent(p: Proc, tid: str, timeout: float = 15) -> dict:
+def wait_sent(p: WorkerProc, tid: str, timeout: float = 15) -> dict:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         res = p.call(cmd="results")
@@ -138,7 +99,9 @@ def test_prefill_tp1_to_decode_tp2_each_rank_gets_its_head_and_p_frees_after_bot
     port = free_port()
     (p,) = prefill_ranks(1, port)
     ds = [
-        Proc("decoder_proc", {**BASE, "heads": 1, "tp_size": 2, "tp_rank": r, "pull_timeout_s": 10})
+        WorkerProc(
+            "decoder_proc", {**BASE, "heads": 1, "tp_size": 2, "tp_rank": r, "pull_timeout_s": 10}
+        )
         for r in range(2)
     ]
     try:
@@ -170,7 +133,7 @@ def test_an_aborted_request_releases_every_prefill_rank_once(p_tp, d_tp):
     ps = prefill_ranks(p_tp, port)
     heads = TOTAL_HEADS // d_tp
     ds = [
-        Proc("decoder_proc", {**BASE, "heads": heads, "tp_size": d_tp, "tp_rank": r})
+        WorkerProc("decoder_proc", {**BASE, "heads": heads, "tp_size": d_tp, "tp_rank": r})
         for r in range(d_tp)
     ]
     try:
