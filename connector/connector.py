@@ -68,7 +68,7 @@ class P2pMooncakeConnector(KVConnectorBase_V1, SupportsHMA):
         groups = group_specs(kv_cache_config)
         par = vllm_config.parallel_config
         # Each DP engine gets its own range of side-channel ports, one per TP rank.
-        base_port = settings.side_channel_port + par.data_parallel_rank * par.tensor_parallel_size
+        base_port = settings.engine_base_port(par.data_parallel_rank, par.tensor_parallel_size)
         self._scheduler: P2pScheduler | None = None
         self._worker: P2pWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -100,6 +100,7 @@ class P2pMooncakeConnector(KVConnectorBase_V1, SupportsHMA):
                 can_consume=ktc.is_kv_consumer,
                 groups=groups,
                 compat=compat_of(vllm_config, settings),
+                tp_size=par.tensor_parallel_size,
             )
 
     # --- worker side -----------------------------------------------------------------------
@@ -223,7 +224,7 @@ def compat_of(vllm_config: VllmConfig, settings: ConnectorSettings) -> Compat:
         dtype=str(model.dtype).removeprefix("torch."),
         kv_cache_dtype=str(vllm_config.cache_config.cache_dtype),
         num_layers=model.get_num_layers(par),
-        num_kv_heads=model.get_num_kv_heads(par),
+        # MLA's latent KV is one "head" that every rank holds whole (connector.tp).
+        total_kv_heads=1 if model.use_mla else model.get_total_num_kv_heads(),
         head_size=model.get_head_size(),
-        tp_size=par.tensor_parallel_size,
     )

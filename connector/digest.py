@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from connector.plan import contiguous_runs
+from connector.tp import Slice
 
 DIGEST_SIZE = 32
 
@@ -67,18 +68,23 @@ def keyed_digest(
 def written_segments(
     written: Sequence[Sequence[int]],
     layouts: Sequence[tuple[tuple[int, ...], int, int]],
+    slices: Sequence[Slice] | None = None,
 ) -> tuple[list[int], list[int]]:
     """The decoder's byte ranges for ``written`` blocks, in the prefiller's plan order.
 
-    ``layouts``: per group (region base addresses, block_len, block_stride).
+    ``layouts``: per group (region base addresses, block_len, block_stride); ``slices``:
+    per group, the part of each block that was written (different TP sizes).
     """
     addrs: list[int] = []
     lengths: list[int] = []
-    for ids, (bases, block_len, stride) in zip(written, layouts, strict=True):
+    for g, (ids, (bases, block_len, stride)) in enumerate(zip(written, layouts, strict=True)):
         if not ids:
             continue
-        runs = contiguous_runs(ids, ids, merge=stride == block_len)
+        part = slices[g] if slices is not None else None
+        whole = part is None or (part.dst_offset == 0 and part.length == block_len)
+        offset, seg = (0, block_len) if part is None else (part.dst_offset, part.length)
+        runs = contiguous_runs(ids, ids, merge=whole and stride == block_len)
         for base in bases:
-            addrs.extend((base + runs.src_starts * stride).tolist())
-            lengths.extend((runs.lengths * block_len).tolist())
+            addrs.extend((base + offset + runs.src_starts * stride).tolist())
+            lengths.extend((runs.lengths * seg).tolist())
     return addrs, lengths

@@ -26,6 +26,9 @@ class GroupLayout:
     kind: str
     block_size: int
     layout: RegionLayout
+    # Bytes of one KV head inside a block when heads are the block's outermost dim (a
+    # head slice is then one contiguous range), else None: only equal-TP transfers.
+    head_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,24 @@ def _inner_is_contiguous(t: torch.Tensor, d: int) -> bool:
             return False
         expected *= size
     return True
+
+
+def head_bytes_of(t: torch.Tensor, d: int, local_heads: int, block_size: int) -> int | None:
+    """Bytes per KV head in a block of ``t`` (block dim ``d``) if heads are outermost.
+
+    CPU blocks are ``[heads, block_size, 2*head_size]``: each head's K and V rows are one
+    range. CUDA's flash-attention blocks are ``[block_size, heads, head_size]``: a head is
+    strided, and a different-TP transfer would cost a segment per token (refused).
+    """
+    inner = t.shape[d + 1 :]
+    block_bytes = math.prod(inner) * t.element_size()
+    if local_heads == 1:  # the whole block is one head's (MLA, or one head per rank)
+        return block_bytes
+    if not inner or inner[0] != local_heads:
+        return None
+    if local_heads == block_size and len(inner) > 1 and inner[1] == block_size:
+        return None  # heads-first and tokens-first look alike: do not guess
+    return block_bytes // local_heads
 
 
 def describe_regions(
@@ -98,6 +119,7 @@ def describe_kv_caches(
     kv_caches: Mapping[str, torch.Tensor],
     num_blocks: int,
     groups: tuple[GroupSpec, ...] | None = None,
+    local_heads: int | None = None,
 ) -> KVMemory:
     """Per-group regions, and the union of all regions to register once.
 
@@ -116,7 +138,12 @@ def describe_kv_caches(
     spans: list[tuple[int, int]] = []
     for g in groups:
         layout = describe_regions(kv_caches, g.layer_names, num_blocks)
-        out.append(GroupLayout(g.kind, g.block_size, layout))
+        head_bytes = None
+        if local_heads is not None:
+            first = kv_caches[g.layer_names[0]]
+            d = _block_dim(first, num_blocks, g.layer_names[0])
+            head_bytes = head_bytes_of(first, d, local_heads, g.block_size)
+        out.append(GroupLayout(g.kind, g.block_size, layout, head_bytes))
         region_bytes = (num_blocks - 1) * layout.block_stride + layout.block_len
         spans += [(b, region_bytes) for b in layout.base_addrs]
     return KVMemory(tuple(out), merge_spans(spans), len(kv_caches))
@@ -142,17 +169,50 @@ def geometry(group: GroupLayout) -> GroupGeometry:
         lay.block_len,
         lay.block_stride,
         lay.num_blocks,
+        group.head_bytes or 0,
     )
 
 
-def layout_mismatch(local: tuple[GroupLayout, ...], remote: list[GroupGeometry]) -> str | None:
-    """Why the decoder's KV layout cannot receive ours, or None when it can."""
+def layout_mismatch(
+    local: tuple[GroupLayout, ...],
+    remote: list[GroupGeometry],
+    heads: tuple[int, int] | None = None,
+) -> str | None:
+    """Why the decoder's KV layout cannot receive ours, or None when it can.
+
+    ``heads``: (prefiller's, decoder's) KV heads per block when the TP sizes differ; then
+    blocks differ in length by that ratio, and both sides must hold heads outermost with
+    the same bytes per head.
+    """
 
     def sig(kind: str, bs: int, regions: int, block_len: int) -> str:
         return f"{kind}/bs{bs}/{regions}x{block_len}B"
 
-    mine = [sig(g.kind, g.block_size, len(g.layout.base_addrs), g.layout.block_len) for g in local]
-    theirs = [sig(g.kind, g.block_size, len(g.region_bases), g.block_len) for g in remote]
+    def per_head(block_len: int, n: int) -> int:
+        return block_len // n if heads is not None else block_len
+
+    p_n, d_n = heads or (1, 1)
+    mine = [
+        sig(g.kind, g.block_size, len(g.layout.base_addrs), per_head(g.layout.block_len, p_n))
+        for g in local
+    ]
+    theirs = [
+        sig(g.kind, g.block_size, len(g.region_bases), per_head(g.block_len, d_n)) for g in remote
+    ]
     if mine != theirs:
-        return f"KV cache group layout differs: prefiller {mine}, decoder {theirs}"
+        what = "per KV head " if heads is not None else ""
+        return f"KV cache group layout {what}differs: prefiller {mine}, decoder {theirs}"
+    if heads is not None:
+        for i, (g, r) in enumerate(zip(local, remote, strict=True)):
+            if not g.head_bytes or g.head_bytes * p_n != g.layout.block_len:
+                return (
+                    f"group {i}: this prefiller's KV blocks do not hold heads outermost, so it "
+                    "can only serve a decoder of the same TP size"
+                )
+            if r.head_bytes != g.head_bytes:
+                return (
+                    f"group {i}: the decoder's KV blocks do not hold heads outermost with "
+                    f"{g.head_bytes} B per head (it says {r.head_bytes}); different TP sizes "
+                    "need that on both sides"
+                )
     return None

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from connector.tp import Slice
+
 _I64 = np.int64
 
 
@@ -147,27 +149,48 @@ def build_transfer_plan(
     dst_ids: Sequence[int] | np.ndarray,
     src: RegionLayout,
     dst: RegionLayout,
+    part: Slice | None = None,
 ) -> TransferPlan:
     """Segments that copy blocks ``src_ids`` of every source region onto ``dst_ids``.
 
     Region ``r`` on one side maps to region ``r`` on the other. Runs are merged only
     where both sides pack blocks back to back; the arithmetic is one broadcast over
     all regions and runs, so it stays cheap for 100k blocks x many layers.
+
+    ``part``: only these bytes of each block (a slice of KV heads, when the two sides
+    split heads over different TP sizes); a part that is a whole block on both sides is
+    the plain copy.
     """
     if len(src.base_addrs) != len(dst.base_addrs):
         raise ValueError(
             f"region count differs: {len(src.base_addrs)} local vs {len(dst.base_addrs)} remote"
         )
-    if src.block_len != dst.block_len:
+    whole = part is None or (
+        part.src_offset == part.dst_offset == 0 and part.length == src.block_len == dst.block_len
+    )
+    if part is None and src.block_len != dst.block_len:
         raise ValueError(f"block length differs: {src.block_len} local vs {dst.block_len} remote")
+    if part is not None:
+        if part.length <= 0 or part.src_offset < 0 or part.dst_offset < 0:
+            raise ValueError(f"empty or negative block slice {part}")
+        if part.src_offset + part.length > src.block_len:
+            raise ValueError(f"slice {part} outside the local block of {src.block_len} B")
+        if part.dst_offset + part.length > dst.block_len:
+            raise ValueError(f"slice {part} outside the remote block of {dst.block_len} B")
     s_ids = _as_ids(src_ids, "src_ids")
     d_ids = _as_ids(dst_ids, "dst_ids")
     check_block_ids(s_ids, src.num_blocks, "local")
     check_block_ids(d_ids, dst.num_blocks, "remote")
-    runs = contiguous_runs(s_ids, d_ids, merge=src.blocks_are_packed and dst.blocks_are_packed)
-    src_base = np.asarray(src.base_addrs, dtype=_I64)[:, None]
-    dst_base = np.asarray(dst.base_addrs, dtype=_I64)[:, None]
+    merge = whole and src.blocks_are_packed and dst.blocks_are_packed
+    runs = contiguous_runs(s_ids, d_ids, merge=merge)
+    src_off = dst_off = 0
+    seg_len = src.block_len
+    if not whole:
+        assert part is not None
+        src_off, dst_off, seg_len = part.src_offset, part.dst_offset, part.length
+    src_base = np.asarray(src.base_addrs, dtype=_I64)[:, None] + src_off
+    dst_base = np.asarray(dst.base_addrs, dtype=_I64)[:, None] + dst_off
     src_addr = src_base + runs.src_starts[None, :] * src.block_stride
     dst_addr = dst_base + runs.dst_starts[None, :] * dst.block_stride
-    lengths = np.broadcast_to(runs.lengths[None, :] * src.block_len, src_addr.shape)
+    lengths = np.broadcast_to(runs.lengths[None, :] * seg_len, src_addr.shape)
     return TransferPlan(src_addr.ravel(), dst_addr.ravel(), np.ascontiguousarray(lengths).ravel())

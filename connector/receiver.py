@@ -26,6 +26,7 @@ from connector.log import get_logger
 from connector.logsafe import safe
 from connector.recorder import TransferRecorder
 from connector.settings import ConnectorSettings
+from connector.tp import Slice
 from connector.wire import (
     PROTOCOL_VERSION,
     Compat,
@@ -54,6 +55,9 @@ class PullSpec:
     # Per KV cache group, the decoder's block slots to fill (positional, 0 = skip).
     block_ids: list[list[int]]
     peer: str  # tcp://host:port of the prefiller worker's side channel
+    # Per group, the bytes of each block this pull fills (KV heads from one prefiller rank
+    # when the TP sizes differ); None: whole blocks. A request may need several pulls.
+    slices: tuple[Slice, ...] | None = None
 
     @property
     def is_release(self) -> bool:
@@ -61,12 +65,16 @@ class PullSpec:
 
 
 def check_reply(
-    reply: PullReply, asked: list[list[int]], groups: tuple[GroupLayout, ...]
+    reply: PullReply,
+    asked: list[list[int]],
+    groups: tuple[GroupLayout, ...],
+    slices: tuple[Slice, ...] | None = None,
 ) -> str | None:
     """Why an "ok" reply does not match what we asked for, or None when it does.
 
     The prefiller must name the slots it wrote: each one we asked for, at most once, and
-    a byte count that is exactly those blocks in every region of their group.
+    a byte count that is exactly those blocks (or the asked slice of each) in every region
+    of their group.
     """
     if len(reply.written) != len(groups):
         return f"reply names written blocks for {len(reply.written)} groups, not {len(groups)}"
@@ -75,7 +83,8 @@ def check_reply(
         allowed = {b for b in want if b}
         if len(set(written)) != len(written) or not allowed.issuperset(written):
             return f"reply claims blocks of group {g} that were not asked for"
-        expected_bytes += len(written) * lay.layout.block_len * len(lay.layout.base_addrs)
+        per_block = slices[g].length if slices is not None else lay.layout.block_len
+        expected_bytes += len(written) * per_block * len(lay.layout.base_addrs)
     if reply.num_bytes != expected_bytes:
         return f"reply says {reply.num_bytes} bytes for blocks that hold {expected_bytes}"
     return None
@@ -91,7 +100,11 @@ class PullClient:
         recorder: TransferRecorder,
         compat: Compat | None = None,
         reader: MemoryReader | None = None,
+        tp: tuple[int, int] = (1, 0),
     ) -> None:
+        self._tp_size, self._tp_rank = tp
+        # Requests pulled in several parts (one per prefiller rank): parts left, any failed.
+        self._parts: dict[str, list[int]] = {}
         self._engine_id = engine_id
         self._session = session
         self._groups = groups
@@ -146,6 +159,13 @@ class PullClient:
             done, failed = self._done | self._failed, self._failed
             self._done, self._failed = set(), set()
         return done, failed
+
+    def fail_now(self, request_id: str, why: str) -> None:
+        """Report a request's load as failed without pulling (vLLM recomputes or fails it)."""
+        self._rec.event("pull_failures")
+        logger.error("request %s: KV cannot be pulled: %s", safe(request_id), why)
+        with self._lock:
+            self._failed.add(request_id)
 
     def num_waiting(self) -> int:
         """Pulls waiting for their reply now (a level for /metrics)."""
@@ -275,6 +295,8 @@ class PullClient:
         by_peer: dict[str, list[PullSpec]] = defaultdict(list)
         for spec in specs:
             by_peer[spec.peer].append(spec)
+            if not spec.is_release:
+                self._parts.setdefault(spec.request_id, [0, 0])[0] += 1
         for peer, all_specs in by_peer.items():
             for group in self._chunks(all_specs):
                 self._dispatch_one(peer, group)
@@ -292,6 +314,8 @@ class PullClient:
             items=[PullItem(s.transfer_id, s.secret, s.block_ids) for s in group],
             compat=self._compat,
             want_digest=self._reader is not None and wants_blocks,
+            tp_size=self._tp_size,
+            tp_rank=self._tp_rank,
         )
         pending = self._pending[peer]
         for spec in group:
@@ -399,7 +423,7 @@ class PullClient:
                 await asyncio.sleep(self._settings.late_write_grace_s)
         elapsed = time.perf_counter() - t0
         if reply.ok and not spec.is_release:
-            problem = check_reply(reply, spec.block_ids, self._groups)
+            problem = check_reply(reply, spec.block_ids, self._groups, spec.slices)
             if problem is None and self._reader is not None:
                 problem = self._check_digest(reply, spec)
             if problem is not None:
@@ -413,8 +437,17 @@ class PullClient:
                     safe(reply.error),
                 )
             return
+        # A request pulled in parts is reported once every part ended: failing it while
+        # another part's push may still land would let vLLM reuse blocks being written.
+        parts = self._parts.get(spec.request_id)
+        if parts is not None:
+            parts[0] -= 1
+            parts[1] |= not reply.ok
         with self._lock:
-            (self._done if reply.ok else self._failed).add(spec.request_id)
+            if parts is None or parts[0] <= 0:
+                self._parts.pop(spec.request_id, None)
+                whole_ok = reply.ok and not (parts and parts[1])
+                (self._done if whole_ok else self._failed).add(spec.request_id)
             self._waiting.discard((msg_id, spec.transfer_id))
         if reply.ok:
             self._rec.pull(elapsed, reply.num_bytes)
@@ -440,7 +473,7 @@ class PullClient:
         assert self._reader is not None
         if not reply.digest:
             return "digest check on, but the prefiller sent no digest"
-        addrs, lengths = written_segments(reply.written, self._layouts)
+        addrs, lengths = written_segments(reply.written, self._layouts, spec.slices)
         if keyed_digest(self._reader, spec.secret, addrs, lengths) != reply.digest:
             self._rec.event("digest_mismatches")
             return "KV digest mismatch: the received blocks differ from what was sent"

@@ -34,7 +34,8 @@ class RecvTask:
     # All empty means "release your blocks, I need nothing".
     block_ids: list[list[int]]
     remote_host: str
-    remote_port: int  # the prefiller engine's base port; worker adds its tp_rank
+    remote_port: int  # the prefiller engine's base port; rank r listens on port + r
+    remote_tp_size: int = 1
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,7 @@ class RemotePrefill:
     secret: str
     remote_host: str
     remote_port: int
+    remote_tp_size: int = 1
 
     @classmethod
     def parse(cls, params: object) -> RemotePrefill | None:
@@ -81,7 +83,12 @@ class RemotePrefill:
                 return None
         if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
             return None
-        return cls(tid, secret, host, port)
+        tp = params.get("remote_tp_size", 1)
+        if isinstance(tp, bool) or not isinstance(tp, int) or not 0 < tp <= 1024:
+            return None
+        if port + tp > 65536:
+            return None
+        return cls(tid, secret, host, port, tp)
 
 
 def transfer_params(request: Request) -> dict[str, Any] | None:
@@ -199,6 +206,7 @@ class P2pScheduler:
                 block_ids,
                 remote.remote_host,
                 remote.remote_port,
+                remote.remote_tp_size,
             )
         )
 

@@ -5,6 +5,11 @@ nothing), failed (push error: the blocks are still freed, the decoder recomputes
 expired (no decoder came). Ended ids are reported once to vLLM through
 :meth:`SendRegistry.take_finished`, which frees the blocks.
 
+A request may be pulled in several *parts*: when the decoder's TP size differs, several
+decoder ranks each pull their own KV heads from this rank (``connector.tp.cover``). The
+first pull says how many parts there are; the request ends when every part has ended
+(failed if any part failed), and a release ends it whole while no part is in flight.
+
 A pull may arrive a moment before its request's blocks are handed to the worker. Such a
 pull is *parked* (a callback, no thread) only if the scheduler announced the request as
 expected; a pull for an id never announced is refused at once, so a peer without a
@@ -53,7 +58,14 @@ class _Held:
     block_ids: list[list[int]]
     secret: str
     added_at: float
-    claimed: bool = False
+    parts: int = 0  # pulls that end this request; 0 until the first pull says
+    claimed: int = 0
+    done: int = 0
+    failed: bool = False
+
+    @property
+    def in_flight(self) -> bool:
+        return self.claimed > self.done
 
 
 @dataclass
@@ -130,17 +142,19 @@ class SendRegistry:
 
     # --- pulls (side-channel threads) --------------------------------------------------------
 
-    def claim(self, transfer_id: str, secret: str) -> list[list[int]] | None:
-        """Take the request for one pull; None if it is expected but not handed over yet.
+    def claim(self, transfer_id: str, secret: str, parts: int = 1) -> list[list[int]] | None:
+        """Take one of the request's ``parts`` pulls; None if it is expected but not handed
+        over yet. ``parts=0``: a release, which ends the request at once (returns []).
 
-        Raises ClaimError if it is unknown, ended, being sent, or the secret is wrong (then
-        the request stays held for its rightful decoder).
+        Raises ClaimError if it is unknown, ended, every part is taken (or, for a release,
+        one is in flight), the part count disagrees with the first pull's, or the secret is
+        wrong (then the request stays held for its rightful decoder).
         """
         with self._lock:
-            return self._claim_locked(transfer_id, secret)
+            return self._claim_locked(transfer_id, secret, parts)
 
     def claim_or_park(
-        self, transfer_id: str, secret: str, wait_s: float, waiter: Waiter
+        self, transfer_id: str, secret: str, wait_s: float, waiter: Waiter, parts: int = 1
     ) -> list[list[int]] | None:
         """Claim, or park ``waiter`` until the request is handed over (None: parked).
 
@@ -149,7 +163,7 @@ class SendRegistry:
         (see :meth:`expire_parked`) or the registry closes.
         """
         with self._lock:
-            ids = self._claim_locked(transfer_id, secret)
+            ids = self._claim_locked(transfer_id, secret, parts)
             if ids is not None:
                 return ids
             if wait_s <= 0:
@@ -178,7 +192,7 @@ class SendRegistry:
             wake(False)
         return len(waiters)
 
-    def _claim_locked(self, transfer_id: str, secret: str) -> list[list[int]] | None:
+    def _claim_locked(self, transfer_id: str, secret: str, parts: int) -> list[list[int]] | None:
         if self._closed:
             raise ClaimError("prefiller is shutting down", public="prefiller is shutting down")
         held = self._held.get(transfer_id)
@@ -186,9 +200,22 @@ class SendRegistry:
             if not hmac.compare_digest(held.secret.encode(), secret.encode()):
                 self.refused_secret += 1
                 raise ClaimError(f"wrong secret for transfer {safe(transfer_id)}")
-            if held.claimed:
+            if parts == 0:  # a release: nobody needs these blocks
+                if held.in_flight:
+                    raise ClaimError(f"transfer {safe(transfer_id)} is being sent: no release")
+                del self._held[transfer_id]
+                self._end(transfer_id, Outcome.RELEASED)
+                return []
+            if held.parts == 0:
+                held.parts = parts
+            elif parts != held.parts:
+                raise ClaimError(
+                    f"transfer {safe(transfer_id)}: pull says {parts} parts, the first said "
+                    f"{held.parts} (decoder ranks disagree on TP)"
+                )
+            if held.claimed >= held.parts:
                 raise ClaimError(f"transfer {safe(transfer_id)} is already being sent")
-            held.claimed = True
+            held.claimed += 1
             return [list(g) for g in held.block_ids]
         ended = self._ended.get(transfer_id)
         if ended is not None:
@@ -207,20 +234,28 @@ class SendRegistry:
     # --- ending ------------------------------------------------------------------------------
 
     def finish(self, transfer_id: str, outcome: Outcome) -> None:
-        """End a claimed request; its blocks are freed at the next take_finished()."""
+        """End one claimed part (SENT or FAILED); when the last part ends, the request
+        ends and its blocks are freed at the next take_finished()."""
         with self._lock:
-            if self._held.pop(transfer_id, None) is None:
+            held = self._held.get(transfer_id)
+            if held is None or not held.in_flight:
                 return
-            self._end(transfer_id, outcome)
+            held.done += 1
+            held.failed = held.failed or outcome != Outcome.SENT
+            if held.done < held.parts:
+                return
+            del self._held[transfer_id]
+            self._end(transfer_id, Outcome.FAILED if held.failed else Outcome.SENT)
 
     def expire(self) -> list[str]:
-        """End unclaimed requests older than the expiry; returns their ids."""
+        """End requests older than the expiry with no part in flight (no pull came, or
+        some decoder ranks never did); returns their ids."""
         now = self._clock()
         with self._lock:
             stale = [
                 tid
                 for tid, h in self._held.items()
-                if not h.claimed and now - h.added_at >= self._expiry_s
+                if not h.in_flight and now - h.added_at >= self._expiry_s
             ]
             for tid in stale:
                 del self._held[tid]

@@ -29,6 +29,7 @@ from connector.logsafe import safe
 from connector.plan import RegionLayout, TransferPlan, build_transfer_plan
 from connector.recorder import TransferRecorder
 from connector.send_registry import ClaimError, Outcome, SendRegistry
+from connector.tp import Slice, byte_slice, cover, rank_heads
 from connector.transport import TransferError
 from connector.wire import (
     Compat,
@@ -55,8 +56,12 @@ def plan_item(
     remote_ids: list[list[int]],
     local: tuple[GroupLayout, ...],
     remote: list[GroupGeometry],
+    slices: list[Slice] | None = None,
 ) -> tuple[TransferPlan, list[list[int]]]:
-    """One request's segments over all groups, and per group the decoder slots written."""
+    """One request's segments over all groups, and per group the decoder slots written.
+
+    ``slices``: per group, the bytes of each block to copy (KV heads, when the TP sizes
+    differ); None copies whole blocks."""
     if len(local_ids) != len(local) or len(remote_ids) != len(local):
         raise ValueError(
             f"block ids for {len(remote_ids)} groups from the decoder, {len(local_ids)} held, "
@@ -67,7 +72,8 @@ def plan_item(
         src, dst = pair_blocks(mine, theirs)
         r = remote[g]
         dst_layout = RegionLayout(tuple(r.region_bases), r.block_len, r.block_stride, r.num_blocks)
-        plans.append(build_transfer_plan(src, dst, local[g].layout, dst_layout))
+        part = slices[g] if slices is not None else None
+        plans.append(build_transfer_plan(src, dst, local[g].layout, dst_layout, part))
         written.append(dst)
     return TransferPlan.concat(plans), written
 
@@ -82,11 +88,31 @@ class PushLimits:
 
 
 @dataclass(frozen=True)
+class TpPlace:
+    """This prefiller worker's place in its TP group, and the model's KV heads in all."""
+
+    total_heads: int
+    size: int
+    rank: int
+
+
+@dataclass(frozen=True)
+class _Part:
+    """How this rank serves one decoder rank: pulls per request, bytes per block, or why
+    it cannot (``error``)."""
+
+    parts: int = 1
+    slices: list[Slice] | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
 class _Job:
     req: PullRequest
     item: PullItem
     local_ids: list[list[int]]
     respond: Respond
+    slices: list[Slice] | None = None
 
 
 class PushHandler:
@@ -102,7 +128,9 @@ class PushHandler:
         executor: Executor,
         compat: Compat | None = None,
         reader: MemoryReader | None = None,
+        tp: TpPlace | None = None,
     ) -> None:
+        self._tp = tp
         self._registry = registry
         self._groups = groups
         self._write = write
@@ -130,8 +158,46 @@ class PushHandler:
                 )
             )
             return
+        part = self._part_of(req) if any(not i.is_release for i in req.items) else _Part()
         for item in req.items:
-            self._start(req, item, respond)
+            self._start(req, item, respond, part)
+
+    def _part_of(self, req: PullRequest) -> _Part:
+        """Check the decoder's layout and topology once per message (see connector.tp)."""
+        tp = self._tp
+        if req.compat is not None and self._compat is not None:
+            bad = self._compat.mismatch(req.compat)
+            if bad:
+                return _Part(error=bad)
+        if tp is None or req.tp_size == tp.size:
+            if tp is not None and req.tp_rank != tp.rank:
+                return _Part(
+                    error=f"decoder rank {req.tp_rank} pulled from prefiller rank {tp.rank} "
+                    "(same TP size: each rank pulls from its own peer rank)"
+                )
+            return _Part(error=layout_mismatch(self._groups, req.groups))
+        try:
+            cov = cover(tp.total_heads, tp.size, req.tp_size)
+            mine = [p for p in cov.pulls_of(req.tp_rank) if p.prefill_rank == tp.rank]
+            if not mine:
+                return _Part(
+                    error=f"decoder rank {req.tp_rank}/{req.tp_size} needs none of the KV heads "
+                    f"of prefiller rank {tp.rank}/{tp.size}"
+                )
+            heads = (
+                rank_heads(tp.total_heads, tp.size, tp.rank).count,
+                rank_heads(tp.total_heads, req.tp_size, req.tp_rank).count,
+            )
+        except ValueError as exc:
+            return _Part(error=f"TP {tp.size} -> {req.tp_size}: {exc}")
+        bad = layout_mismatch(self._groups, req.groups, heads)
+        if bad:
+            return _Part(error=bad)
+        slices = [
+            byte_slice(mine[0], tp.total_heads, tp.size, req.tp_size, g.head_bytes or 0)
+            for g in self._groups
+        ]
+        return _Part(cov.expected_at(tp.rank), slices)
 
     def tick(self) -> None:
         """Time out parked pulls (called by the socket loop, a few times a second)."""
@@ -139,31 +205,32 @@ class PushHandler:
 
     # --- per item --------------------------------------------------------------------------
 
-    def _start(self, req: PullRequest, item: PullItem, respond: Respond) -> None:
+    def _start(self, req: PullRequest, item: PullItem, respond: Respond, part: _Part) -> None:
         tid = item.transfer_id
         wait_s = min(self._limits.ready_timeout_s, req.deadline_ms / 1000.0 - time.time())
+        parts = 0 if item.is_release else part.parts
 
         def woken(handed_over: bool) -> None:
             if not handed_over:
                 self._refuse(req, tid, respond, ClaimError(f"{safe(tid)}: not handed over"))
                 return
             try:
-                ids = self._registry.claim(tid, item.secret)
+                ids = self._registry.claim(tid, item.secret, parts)
             except ClaimError as exc:
                 self._refuse(req, tid, respond, exc)
                 return
             if ids is None:
                 self._refuse(req, tid, respond, ClaimError(f"{safe(tid)}: woken, not held"))
                 return
-            self._claimed(req, item, ids, respond)
+            self._claimed(req, item, ids, respond, part)
 
         try:
-            ids = self._registry.claim_or_park(tid, item.secret, wait_s, woken)
+            ids = self._registry.claim_or_park(tid, item.secret, wait_s, woken, parts)
         except ClaimError as exc:
             self._refuse(req, tid, respond, exc)
             return
         if ids is not None:
-            self._claimed(req, item, ids, respond)
+            self._claimed(req, item, ids, respond, part)
 
     def _refuse(self, req: PullRequest, tid: str, respond: Respond, exc: ClaimError) -> None:
         self._rec.event("refused")
@@ -180,9 +247,13 @@ class PushHandler:
         respond(PullReply(req.msg_id, tid, ok=False, error=error))
 
     def _claimed(
-        self, req: PullRequest, item: PullItem, ids: list[list[int]], respond: Respond
+        self, req: PullRequest, item: PullItem, ids: list[list[int]], respond: Respond, part: _Part
     ) -> None:
         tid = item.transfer_id
+        if item.is_release:  # the registry ended the request in the claim
+            logger.debug("transfer %s released by decoder (nothing to send)", safe(tid))
+            respond(PullReply(req.msg_id, tid, ok=True))
+            return
         late_s = time.time() - req.deadline_ms / 1000.0
         if late_s > 0:
             self._fail(
@@ -193,18 +264,13 @@ class PushHandler:
                 "(a delayed message, or clocks out of sync)",
             )
             return
-        if item.is_release:
-            self._registry.finish(tid, Outcome.RELEASED)
-            logger.debug("transfer %s released by decoder (nothing to send)", safe(tid))
-            respond(PullReply(req.msg_id, tid, ok=True))
+        if part.error:
+            self._fail(req, tid, respond, part.error)
             return
-        mismatch = layout_mismatch(self._groups, req.groups)
-        if not mismatch and self._compat is not None:
-            mismatch = self._compat.mismatch(req.compat) or None
-        if mismatch:
-            self._fail(req, tid, respond, mismatch)
+        if self._compat is not None and req.compat is None:
+            self._fail(req, tid, respond, self._compat.mismatch(None))
             return
-        self._enqueue(_Job(req, item, ids, respond))
+        self._enqueue(_Job(req, item, ids, respond, part.slices))
 
     # --- per decoder queues ----------------------------------------------------------------
 
@@ -292,7 +358,9 @@ class PushHandler:
         deadline = req.deadline_ms / 1000.0
         t0 = time.perf_counter()
         try:
-            plan, written = plan_item(job.local_ids, job.item.block_ids, self._groups, req.groups)
+            plan, written = plan_item(
+                job.local_ids, job.item.block_ids, self._groups, req.groups, job.slices
+            )
             for src, dst, lengths in plan.batches(
                 self._limits.max_segments_per_batch, self._limits.max_batch_bytes
             ):

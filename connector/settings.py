@@ -139,6 +139,18 @@ class ConnectorSettings:
 
         return get_ip()
 
+    def engine_base_port(self, dp_rank: int, tp_size: int) -> int:
+        """The side-channel port of TP rank 0 of DP engine ``dp_rank``: each DP engine's
+        ranks get their own range, and the engine advertises this base in the params it
+        returns, so decoders and the proxy address the ranks that hold the request."""
+        port = self.side_channel_port + dp_rank * tp_size
+        if port + tp_size > 65536:
+            raise ValueError(
+                f"side_channel_port {self.side_channel_port} leaves no room for DP rank "
+                f"{dp_rank} x TP {tp_size} ports"
+            )
+        return port
+
     def pull_budget_s(self) -> float:
         """How long after sending a pull the prefiller may still start a push batch.
 

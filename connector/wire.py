@@ -19,7 +19,7 @@ from typing import Annotated
 
 import msgspec
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 # Hard caps enforced while decoding (a message over any of them is refused whole).
 MAX_ITEMS = 1024  # requests per pull message
@@ -28,6 +28,7 @@ MAX_BLOCKS = 1 << 20  # block slots per group and request
 MAX_REGIONS = 1 << 16  # KV regions per group
 MAX_ID_LEN = 256  # transfer ids, secrets, engine ids, sessions
 MAX_ERROR_LEN = 1024
+MAX_TP = 1024  # tensor-parallel ranks
 
 Address = Annotated[int, msgspec.Meta(ge=0)]
 BlockId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 40)]
@@ -59,6 +60,9 @@ class GroupGeometry(msgspec.Struct, frozen=True):
     block_len: Annotated[int, msgspec.Meta(gt=0, lt=1 << 40)]
     block_stride: Annotated[int, msgspec.Meta(gt=0, lt=1 << 40)]
     num_blocks: Annotated[int, msgspec.Meta(gt=0, lt=1 << 40)]
+    # Bytes of one KV head in a block when heads are outermost there, else 0 (then only a
+    # prefiller of the same TP size can fill these blocks).
+    head_bytes: Annotated[int, msgspec.Meta(ge=0, lt=1 << 40)] = 0
 
 
 class Compat(msgspec.Struct, frozen=True):
@@ -73,9 +77,9 @@ class Compat(msgspec.Struct, frozen=True):
     dtype: Annotated[str, msgspec.Meta(max_length=64)]
     kv_cache_dtype: Annotated[str, msgspec.Meta(max_length=64)]
     num_layers: int
-    num_kv_heads: int
+    # The model's KV heads over all TP ranks: the two sides may split them differently.
+    total_kv_heads: int
     head_size: int
-    tp_size: int
 
     def mismatch(self, other: Compat | None) -> str:
         """Empty if compatible, else which fields differ (ours vs theirs)."""
@@ -104,6 +108,10 @@ class PullRequest(msgspec.Struct, frozen=True, tag="pull"):
     compat: Compat | None = None
     # Ask for a keyed digest of the pushed bytes in each reply (the decoder's opt-in check).
     want_digest: bool = False
+    # The decoder worker's TP size and rank: with the prefiller's own, they decide which
+    # KV heads this pull copies and how many pulls each held request gets (connector.tp).
+    tp_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_TP)] = 1
+    tp_rank: Annotated[int, msgspec.Meta(ge=0, lt=MAX_TP)] = 0
 
 
 class PullReply(msgspec.Struct, frozen=True, tag="reply"):

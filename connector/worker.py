@@ -20,10 +20,11 @@ from connector.log import get_logger
 from connector.logsafe import safe
 from connector.receiver import PullClient, PullSpec
 from connector.recorder import TransferRecorder
-from connector.scheduler import P2pMetadata
+from connector.scheduler import P2pMetadata, RecvTask
 from connector.send_registry import Outcome, SendRegistry
-from connector.sender import PushHandler, PushLimits, SideChannelServer
+from connector.sender import PushHandler, PushLimits, SideChannelServer, TpPlace
 from connector.settings import ConnectorSettings
+from connector.tp import Slice, byte_slice, cover, rank_heads
 from connector.transport import MooncakeTransport
 from connector.wire import Compat
 
@@ -42,8 +43,10 @@ class P2pWorker:
         can_consume: bool,
         groups: tuple[GroupSpec, ...] | None = None,
         compat: Compat | None = None,
+        tp_size: int = 1,
     ) -> None:
         self._settings = settings
+        self._tp_size = tp_size
         self._compat = compat
         self._groups = groups
         self._engine_id = engine_id
@@ -81,7 +84,12 @@ class P2pWorker:
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         if any(t.device.type == "cpu" for t in kv_caches.values()):
             _request_amx_permission()
-        self.memory = describe_kv_caches(kv_caches, self._num_blocks, self._groups)
+        local_heads = None
+        if self._compat is not None:
+            local_heads = rank_heads(
+                self._compat.total_kv_heads, self._tp_size, self._tp_rank
+            ).count
+        self.memory = describe_kv_caches(kv_caches, self._num_blocks, self._groups, local_heads)
         self.transport.register(self.memory.spans)
         for g in self.memory.groups:
             lay = g.layout
@@ -92,6 +100,14 @@ class P2pWorker:
                 lay.num_blocks,
                 lay.block_len,
                 lay.block_stride,
+            )
+        if all(g.head_bytes for g in self.memory.groups):
+            logger.info("KV blocks hold heads outermost: peers of any TP size can exchange KV")
+        else:
+            logger.info(
+                "KV blocks do not hold heads outermost: only peers of TP size %d can exchange "
+                "KV with this instance (a pull across TP sizes fails and recomputes)",
+                self._tp_size,
             )
         logger.info(
             "registered %d KV regions of %d layers in %d groups as %d spans",
@@ -110,6 +126,9 @@ class P2pWorker:
                 max_queued_pushes=self._settings.max_queued_pushes,
             )
             memory = self.memory
+            tp_place = None
+            if self._compat is not None:
+                tp_place = TpPlace(self._compat.total_kv_heads, self._tp_size, self._tp_rank)
 
             def make_handler(executor: Executor) -> PushHandler:
                 return PushHandler(
@@ -121,6 +140,7 @@ class P2pWorker:
                     executor,
                     compat=self._compat,
                     reader=reader,
+                    tp=tp_place,
                 )
 
             self._server = SideChannelServer(
@@ -140,6 +160,7 @@ class P2pWorker:
                 self.recorder,
                 compat=self._compat,
                 reader=reader,
+                tp=(self._tp_size, self._tp_rank),
             )
             self._client.start()
 
@@ -153,18 +174,51 @@ class P2pWorker:
         if meta.recv:
             if self._client is None:
                 raise RuntimeError("this instance is not a KV consumer but was asked to pull KV")
-            self._client.submit(
-                [
-                    PullSpec(
-                        t.request_id,
-                        t.transfer_id,
-                        t.secret,
-                        t.block_ids,
-                        zmq_endpoint(t.remote_host, t.remote_port + self._tp_rank),
-                    )
-                    for t in meta.recv
-                ]
+            specs: list[PullSpec] = []
+            for t in meta.recv:
+                specs += self._pulls_for(t)
+            self._client.submit(specs)
+
+    def _pulls_for(self, t: RecvTask) -> list[PullSpec]:
+        """This rank's pulls (and releases) for one request: from its peer rank when the
+        TP sizes match, else from each prefiller rank holding some of its heads."""
+
+        def spec(
+            rank: int, block_ids: list[list[int]], slices: tuple[Slice, ...] | None = None
+        ) -> PullSpec:
+            peer = zmq_endpoint(t.remote_host, t.remote_port + rank)
+            return PullSpec(t.request_id, t.transfer_id, t.secret, block_ids, peer, slices)
+
+        release: list[list[int]] = [[] for _ in t.block_ids]
+        if t.remote_tp_size == self._tp_size:
+            return [spec(self._tp_rank, t.block_ids)]
+        assert self.memory is not None and self._client is not None
+        try:
+            if self._compat is None:
+                raise ValueError("no model fingerprint to split KV heads by")
+            total = self._compat.total_kv_heads
+            cov = cover(total, t.remote_tp_size, self._tp_size)
+            if not all(g.head_bytes for g in self.memory.groups) and any(t.block_ids):
+                raise ValueError("this decoder's KV blocks do not hold heads outermost")
+        except ValueError as exc:
+            # Nothing can be pulled: the request recomputes (or fails, per vLLM's policy),
+            # and the prefiller ranks this rank would release are freed now.
+            if any(t.block_ids):
+                why = f"prefill TP {t.remote_tp_size} -> decode TP {self._tp_size}: {exc}"
+                self._client.fail_now(t.request_id, why)
+            mine = range(self._tp_rank, t.remote_tp_size, self._tp_size)
+            return [spec(p, release) for p in mine]
+        if not any(t.block_ids):
+            return [spec(p, release) for p in cov.release_targets(self._tp_rank, t.remote_tp_size)]
+        out = []
+        for pull in cov.pulls_of(self._tp_rank):
+            slices = tuple(
+                byte_slice(pull, total, t.remote_tp_size, self._tp_size, g.head_bytes or 0)
+                for g in self.memory.groups
             )
+            out.append(spec(pull.prefill_rank, t.block_ids, slices))
+        out += [spec(p, release) for p in cov.releases_of(self._tp_rank)]
+        return out
 
     def get_transfer_results(self) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving)."""

@@ -62,6 +62,25 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def free_ports(n: int, host: str = "127.0.0.1") -> int:
+    """A base port with ``n`` consecutive free ports (a TP>1 prefiller's side channels)."""
+    for _ in range(200):
+        base = free_port(host)
+        socks = []
+        try:
+            for port in range(base, base + n):
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                socks.append(s)
+                s.bind((host, port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
 def kv_config(role: str, side_channel_port: int, **extra: object) -> dict[str, object]:
     """The CPU lab's kv-transfer config for ``role`` with a given side-channel port."""
     cfg = json.loads((CONFIGS / f"kv-{role}-cpu.json").read_text())

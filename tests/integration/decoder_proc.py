@@ -3,6 +3,7 @@
 Reads JSON commands on stdin, answers JSON lines on stdout:
   {"cmd": "pull", "request_id", "transfer_id", "block_ids", "port", "secret"}
   {"cmd": "results"}    finished / failed request ids so far
+  {"cmd": "heads", "block": b}   per layer, the hex of each head's bytes in block b
   {"cmd": "quit"}
 """
 
@@ -15,7 +16,7 @@ from connector.scheduler import P2pMetadata, RecvTask
 from connector.settings import ConnectorSettings
 from connector.wire import Compat
 from connector.worker import P2pWorker
-from tests.integration.kvbuf import make_caches
+from tests.integration.kvbuf import head_bytes, make_caches
 from tests.servers import free_port
 
 
@@ -32,7 +33,15 @@ def main() -> None:
     )
     compat = Compat(**cfg["compat"]) if "compat" in cfg else None
     worker = P2pWorker(
-        settings, "decode-proc", cfg["num_blocks"], 0, free_port(), False, True, compat=compat
+        settings,
+        "decode-proc",
+        cfg["num_blocks"],
+        cfg.get("tp_rank", 0),
+        free_port(),
+        False,
+        True,
+        compat=compat,
+        tp_size=cfg.get("tp_size", 1),
     )
     _, caches = make_caches(cfg, seed=None)
     worker.register_kv_caches(caches)
@@ -49,6 +58,7 @@ def main() -> None:
                 [cmd["block_ids"]],
                 "127.0.0.1",
                 cmd["port"],
+                cmd.get("remote_tp_size", 1),
             )
             worker.start_load_kv(P2pMetadata(recv=[task]))
             say({"ok": True})
@@ -57,6 +67,18 @@ def main() -> None:
             done |= d
             failed |= f
             say({"done": sorted(done), "failed": sorted(failed)})
+        elif cmd["cmd"] == "heads":
+            say(
+                {
+                    "heads": [
+                        [
+                            head_bytes(caches, layer, cmd["block"], h).hex()
+                            for h in range(cfg["heads"])
+                        ]
+                        for layer in range(cfg["layers"])
+                    ]
+                }
+            )
         elif cmd["cmd"] == "quit":
             break
     worker.shutdown()

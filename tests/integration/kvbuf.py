@@ -28,3 +28,8 @@ def make_caches(cfg: dict, seed: int | None) -> tuple[torch.Tensor, dict[str, to
 def block_bytes(caches: dict[str, torch.Tensor], layer: int, block: int) -> bytes:
     t = list(caches.values())[layer]
     return t[block].contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def head_bytes(caches: dict[str, torch.Tensor], layer: int, block: int, head: int) -> bytes:
+    t = list(caches.values())[layer]
+    return t[block, head].contiguous().view(torch.uint8).numpy().tobytes()

@@ -49,11 +49,20 @@ def main() -> None:
     )
     compat = Compat(**cfg["compat"]) if "compat" in cfg else None
     worker = P2pWorker(
-        settings, "prefill-test", cfg["num_blocks"], 0, cfg["port"], True, False, compat=compat
+        settings,
+        "prefill-test",
+        cfg["num_blocks"],
+        cfg.get("tp_rank", 0),
+        cfg["port"],
+        True,
+        False,
+        compat=compat,
+        tp_size=cfg.get("tp_size", 1),
     )
     _, caches = make_caches(cfg, seed=cfg["seed"])
     worker.register_kv_caches(caches)
     say({"event": "ready"})
+    refused = 0  # pulls refused so far, from the stats vLLM would collect each step
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["cmd"] == "hold":
@@ -68,6 +77,7 @@ def main() -> None:
             say({"ok": True})
         elif cmd["cmd"] == "results":
             sending, _, _ = worker.get_transfer_results()
+            refused += len((worker.take_stats() or {}).get("refused", []))
             counts = {k.value: v for k, v in worker.registry.counts.items()}
             say(
                 {
@@ -77,6 +87,7 @@ def main() -> None:
                     "malformed": worker._server.malformed,
                     "refused_secret": worker.registry.refused_secret,
                     "parked": worker.registry.num_parked(),
+                    "refused": refused,
                     "rss_kib": rss_kib(),
                 }
             )

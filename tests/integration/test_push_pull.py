@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import zmq
@@ -20,47 +15,20 @@ from connector.settings import ConnectorSettings
 from connector.wire import decode_reply, encode
 from connector.worker import P2pWorker
 from tests.integration.kvbuf import block_bytes, make_caches
+from tests.integration.proc import WorkerProc
 from tests.servers import free_port
 
 pytestmark = pytest.mark.integration
 
-ROOT = Path(__file__).resolve().parents[2]
 CFG = {"num_blocks": 64, "layers": 3, "heads": 2, "block_size": 32, "head": 32, "seed": 1234}
 
 
-class Prefiller:
+class Prefiller(WorkerProc):
     def __init__(self, port: int | None = None, **overrides) -> None:
         self.port = port or free_port()
         cfg = {**CFG, "port": self.port, **overrides}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.integration.prefiller_proc", json.dumps(cfg)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            cwd=ROOT,
-            text=True,
-            env={**os.environ, "MC_LOG_LEVEL": "ERROR"},
-        )
-        assert self.read(60)["event"] == "ready"
+        super().__init__("prefiller_proc", cfg)
         _, self.caches = make_caches(cfg, seed=cfg["seed"])  # same bytes, for checking
-
-    def read(self, timeout: float = 20) -> dict:
-        import select
-
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        assert ready, "prefiller process did not answer"
-        line = self.proc.stdout.readline()
-        assert line, f"prefiller exited with {self.proc.poll()}"
-        return json.loads(line)
-
-    def call(self, **cmd) -> dict:
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        return self.read()
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.call(cmd="quit")
-            self.proc.wait(20)
 
 
 @pytest.fixture(scope="module")

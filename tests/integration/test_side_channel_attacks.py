@@ -36,9 +36,8 @@ COMPAT = dict(
     dtype="bfloat16",
     kv_cache_dtype="auto",
     num_layers=3,
-    num_kv_heads=2,
+    total_kv_heads=2,
     head_size=32,
-    tp_size=1,
 )
 
 

@@ -148,6 +148,10 @@ def test_incomplete_params_compute_locally():
         {**REMOTE, "transfer_id": ""},
         {**REMOTE, "remote_host": None},
         {k: v for k, v in REMOTE.items() if k != "transfer_secret"},
+        {**REMOTE, "remote_tp_size": 0},
+        {**REMOTE, "remote_tp_size": "2"},
+        {**REMOTE, "remote_tp_size": True},
+        {**REMOTE, "remote_port": 65535, "remote_tp_size": 2},  # rank 1 past the last port
     ):
         req = request("bad", 40, bad)
         assert s.get_num_new_matched_tokens(req, 0) == (0, False)
@@ -264,3 +268,12 @@ def test_producer_announces_expected_requests_once():
     s.get_num_new_matched_tokens(req, 0)
     assert s.build_connector_meta().expected == ["p9"]
     assert s.build_connector_meta().expected == []
+
+
+def test_decoder_learns_the_prefillers_tp_size():
+    s = consumer()
+    req = request("d-tp", 40, {**REMOTE, "remote_tp_size": 4})
+    assert s.get_num_new_matched_tokens(req, 0) == (40, True)
+    s.update_state_after_alloc(req, blocks(1, 2), 40)
+    (task,) = s.build_connector_meta().recv
+    assert (task.remote_port, task.remote_tp_size) == (17100, 4)

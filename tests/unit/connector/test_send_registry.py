@@ -192,3 +192,66 @@ def test_wrong_secret_is_refused_and_request_stays_held():
         assert "wrong secret" in exc.value.detail
     assert reg.refused_secret == 4
     assert reg.claim("t1", "right") == [[1, 2]]
+
+
+# -- requests pulled in parts (decoder ranks of another TP size) ---------------------------
+
+
+def test_a_request_in_parts_ends_when_the_last_part_ends():
+    reg = SendRegistry(expiry_s=60)
+    reg.add("t", [[1, 2]], "k")
+    assert reg.claim("t", "k", parts=2) == [[1, 2]]
+    assert reg.claim("t", "k", parts=2) == [[1, 2]]
+    with pytest.raises(ClaimError, match=UNAVAILABLE):
+        reg.claim("t", "k", parts=2)  # a third decoder rank: no such part
+    reg.finish("t", Outcome.SENT)
+    assert reg.take_finished() == set() and reg.num_held() == 1
+    reg.finish("t", Outcome.SENT)
+    assert reg.take_finished() == {"t"} and reg.counts[Outcome.SENT] == 1
+
+
+def test_one_failed_part_fails_the_request_but_waits_for_the_other():
+    reg = SendRegistry(expiry_s=60)
+    reg.add("t", [[1]], "k")
+    reg.claim("t", "k", parts=2)
+    reg.claim("t", "k", parts=2)
+    reg.finish("t", Outcome.FAILED)
+    assert reg.take_finished() == set()  # the other part may still be reading the blocks
+    reg.finish("t", Outcome.SENT)
+    assert reg.take_finished() == {"t"} and reg.counts[Outcome.FAILED] == 1
+
+
+def test_decoder_ranks_that_disagree_on_the_part_count_are_refused():
+    reg = SendRegistry(expiry_s=60)
+    reg.add("t", [[1]], "k")
+    reg.claim("t", "k", parts=2)
+    with pytest.raises(ClaimError) as exc:
+        reg.claim("t", "k", parts=4)
+    assert "disagree" in exc.value.detail and reg.num_held() == 1
+
+
+def test_release_ends_the_request_whole_unless_a_part_is_in_flight():
+    reg = SendRegistry(expiry_s=60)
+    reg.add("a", [[1]], "k")
+    assert reg.claim("a", "k", parts=0) == []
+    assert reg.take_finished() == {"a"} and reg.counts[Outcome.RELEASED] == 1
+    reg.add("b", [[1]], "k")
+    reg.claim("b", "k", parts=2)
+    with pytest.raises(ClaimError) as exc:
+        reg.claim("b", "k", parts=0)
+    assert "being sent" in exc.value.detail
+    with pytest.raises(ClaimError):
+        reg.claim("a", "wrong", parts=0)
+
+
+def test_a_missing_part_expires_once_nothing_is_in_flight():
+    clock = Clock()
+    reg = SendRegistry(expiry_s=10, clock=clock)
+    reg.add("t", [[1]], "k")
+    reg.claim("t", "k", parts=2)
+    clock.now += 11
+    assert reg.expire() == []  # part one is being pushed: never free under it
+    reg.finish("t", Outcome.SENT)
+    assert reg.take_finished() == set()
+    assert reg.expire() == ["t"]  # the second decoder rank never came
+    assert reg.take_finished() == {"t"} and reg.counts[Outcome.EXPIRED] == 1

@@ -8,6 +8,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import msgspec
 import torch
 
 from connector.digest import MemoryReader, keyed_digest, written_segments
@@ -16,11 +17,11 @@ from connector.plan import RegionLayout
 from connector.receiver import check_reply
 from connector.recorder import TransferRecorder
 from connector.send_registry import UNAVAILABLE, SendRegistry
-from connector.sender import InlineExecutor, PushHandler, PushLimits
+from connector.sender import InlineExecutor, PushHandler, PushLimits, TpPlace
 from connector.wire import PROTOCOL_VERSION, Compat, PullItem, PullReply, PullRequest
 
 GROUP = GroupLayout("full", 32, RegionLayout((4096,), 64, 64, 10))
-COMPAT = Compat(PROTOCOL_VERSION, "tiny", "bfloat16", "auto", 2, 2, 32, 1)
+COMPAT = Compat(PROTOCOL_VERSION, "tiny", "bfloat16", "auto", 2, 2, 32)
 
 
 def pull(items, session="h:1", deadline_ms=2**62, compat=COMPAT, msg_id=1, groups=None):
@@ -85,7 +86,7 @@ def test_too_many_items_refuse_the_message():
 def test_incompatible_decoder_is_refused_by_name_and_blocks_freed():
     reg = SendRegistry(expiry_s=60)
     reg.add("t", [[1]], "k")
-    other = Compat(PROTOCOL_VERSION, "tiny", "float16", "auto", 2, 2, 32, 1)
+    other = Compat(PROTOCOL_VERSION, "tiny", "float16", "auto", 2, 2, 32)
     replies: list[PullReply] = []
     writes: list[object] = []
     handler(reg, lambda *a: writes.append(a)).accept(
@@ -311,3 +312,100 @@ def test_an_unreachable_decoder_fails_its_queued_pushes_at_once():
     failed = [r for r in replies if not r.ok]
     assert len(failed) == 5 and all(r.error.startswith("decoder unreachable") for r in failed)
     assert reg.take_finished() == {"g0", "g1", "g2", "g3", "ok"} and reg.num_held() == 0
+
+
+# -- different TP sizes: each decoder rank gets its own KV heads ----------------------------
+
+
+def _heads_caches(heads: int, fill: int | None) -> dict[str, torch.Tensor]:
+    """CPU-layout KV, [blocks, heads, block_size, 2*head_size], bytes numbered by head."""
+    out = {}
+    for layer in range(2):
+        t = torch.zeros((10, heads, 4, 8), dtype=torch.uint8)
+        if fill is not None:
+            for b in range(10):
+                for h in range(heads):
+                    t[b, h] = fill + 100 * layer + 10 * h + b
+        out[f"l{layer}"] = t
+    return out
+
+
+def _tp_handler(reg, caches, heads_here, tp_size, tp_rank):
+    mem = describe_kv_caches(caches, 10, local_heads=heads_here)
+    lim = PushLimits(ready_timeout_s=1.0, max_segments_per_batch=100)
+    return PushHandler(
+        reg,
+        mem.groups,
+        _fake_engine_write,
+        lim,
+        TransferRecorder(),
+        InlineExecutor(),
+        COMPAT,
+        tp=TpPlace(2, tp_size, tp_rank),
+    )
+
+
+def _tp_pull(dst_caches, heads_here, tp_size, tp_rank, ids):
+    mem = describe_kv_caches(dst_caches, 10, local_heads=heads_here)
+    return PullRequest(
+        PROTOCOL_VERSION,
+        1,
+        "d",
+        f"d{tp_rank}:1",
+        [geometry(g) for g in mem.groups],
+        2**62,
+        [PullItem("t", "k", ids)],
+        compat=COMPAT,
+        tp_size=tp_size,
+        tp_rank=tp_rank,
+    )
+
+
+def test_prefill_tp1_feeds_two_decoder_ranks_their_own_heads():
+    reg = SendRegistry(expiry_s=60)
+    reg.add("t", [[1, 2]], "k")
+    src = _heads_caches(2, fill=1)
+    h = _tp_handler(reg, src, 2, 1, 0)
+    dst = [_heads_caches(1, fill=None) for _ in range(2)]
+    replies: list[PullReply] = []
+    h.accept(_tp_pull(dst[0], 1, 2, 0, [[5, 6]]), replies.append)
+    assert replies[-1].ok and reg.take_finished() == set()  # rank 1 still to come
+    h.accept(_tp_pull(dst[1], 1, 2, 1, [[7, 8]]), replies.append)
+    assert replies[-1].ok and reg.take_finished() == {"t"}
+    for rank, slots in ((0, (5, 6)), (1, (7, 8))):
+        for layer in ("l0", "l1"):
+            for s_blk, d_blk in zip((1, 2), slots, strict=True):
+                assert torch.equal(dst[rank][layer][d_blk, 0], src[layer][s_blk, rank])
+    assert replies[0].num_bytes == 2 * 2 * 32  # 2 blocks x 2 layers x one head's 32 B
+
+
+def test_two_prefill_ranks_fill_one_decoder_rank():
+    dst = _heads_caches(2, fill=None)
+    srcs = [_heads_caches(1, fill=10 * (r + 1)) for r in range(2)]
+    for rank in range(2):
+        reg = SendRegistry(expiry_s=60)
+        reg.add("t", [[3]], "k")
+        replies: list[PullReply] = []
+        _tp_handler(reg, srcs[rank], 1, 2, rank).accept(
+            _tp_pull(dst, 2, 1, 0, [[9]]), replies.append
+        )
+        assert replies[-1].ok and reg.take_finished() == {"t"}
+    for layer in ("l0", "l1"):
+        for rank in range(2):
+            assert torch.equal(dst[layer][9, rank], srcs[rank][layer][3, 0])
+
+
+def test_a_decoder_rank_asking_the_wrong_prefill_rank_is_refused_by_name():
+    reg = SendRegistry(expiry_s=60)
+    reg.add("t", [[3]], "k")
+    replies: list[PullReply] = []
+    # P TP=2 rank 1 holds head 1; D TP=4 rank 0 holds head 0 (replicated): not from here.
+    h = _tp_handler(reg, _heads_caches(1, fill=1), 1, 2, 1)
+    h.accept(_tp_pull(_heads_caches(1, None), 1, 4, 0, [[4]]), replies.append)
+    (reply,) = replies
+    assert not reply.ok and "needs none of the KV heads" in reply.error
+    # Equal TP sizes pair rank with rank.
+    reg.add("u", [[3]], "k")
+    req = _tp_pull(_heads_caches(1, None), 1, 2, 0, [[4]])
+    h.accept(msgspec.structs.replace(req, items=[PullItem("u", "k", [[4]])]), replies.append)
+    assert not replies[-1].ok and "pulled from prefiller rank 1" in replies[-1].error

@@ -72,3 +72,11 @@ def test_shipped_lab_configs_pin_no_defaults():
         extra = json.loads(path.read_text()).get("kv_connector_extra_config", {})
         pinned = [k for k, v in extra.items() if k in defaults and v == defaults[k]]
         assert not pinned, f"{path.name} restates defaults {pinned}"
+
+
+def test_each_dp_engine_gets_its_own_rank_ports():
+    s = ConnectorSettings.load({"side_channel_port": 17100}, env={})
+    # DP 2 x TP 4: engine 0 on 17100-17103, engine 1 on 17104-17107; a rank adds tp_rank.
+    assert [s.engine_base_port(dp, 4) for dp in range(2)] == [17100, 17104]
+    with pytest.raises(ValueError, match="no room"):
+        ConnectorSettings.load({"side_channel_port": 65530}, env={}).engine_base_port(1, 8)

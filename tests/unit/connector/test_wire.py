@@ -92,11 +92,20 @@ def test_every_list_and_string_is_bounded():
 def test_compat_mismatch_names_each_field():
     from connector.wire import Compat
 
-    a = Compat(PROTOCOL_VERSION, "m", "bfloat16", "auto", 2, 2, 32, 1)
+    a = Compat(PROTOCOL_VERSION, "m", "bfloat16", "auto", 2, 2, 32)
     assert a.mismatch(a) == ""
-    b = Compat(PROTOCOL_VERSION, "other", "float16", "auto", 2, 2, 32, 1)
+    b = Compat(PROTOCOL_VERSION, "other", "float16", "auto", 2, 2, 32)
     msg = a.mismatch(b)
     assert "model 'm' here vs 'other'" in msg and "dtype" in msg and "head_size" not in msg
     assert "no compatibility fingerprint" in a.mismatch(None)
     with_compat = make_pull(compat=a, want_digest=True)
     assert decode_pull(encode(with_compat)) == with_compat
+
+
+def test_decoder_tp_fields_are_bounded():
+    msg = make_pull(tp_size=4, tp_rank=3)
+    assert decode_pull(encode(msg)) == msg
+    for bad in ({"tp_size": 0}, {"tp_rank": -1}, {"tp_size": 1 << 20}):
+        raw = msgspec.msgpack.encode({**msgspec.to_builtins(make_pull()), **bad})
+        with pytest.raises(WireError):
+            decode_pull(raw)
