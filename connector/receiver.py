@@ -43,6 +43,8 @@ logger = get_logger(__name__)
 # A prefiller whose side-channel connection has been refused or closed this long is dead to
 # a new pull (a restarted one accepts at once, so this only delays the recompute).
 DEAD_PEER_S = 1.0
+# How a prefiller's reply says its transfer engine failed to write to us (sender.py).
+ENGINE_FAILED = "decoder unreachable"
 
 
 @dataclass(frozen=True)
@@ -421,6 +423,11 @@ class PullClient:
                 # freeze ends; let them land before vLLM may hand these blocks to another
                 # request.
                 await asyncio.sleep(self._settings.late_write_grace_s)
+        if not reply.ok and reply.error.startswith(ENGINE_FAILED) and not spec.is_release:
+            # The prefiller's engine failed its write to us and may retry it when the path
+            # heals: give bytes already on their way time to land before vLLM may reuse
+            # these blocks (the prefiller keeps its own blocks for failed_push_hold_s).
+            await asyncio.sleep(self._settings.late_write_grace_s)
         elapsed = time.perf_counter() - t0
         if reply.ok and not spec.is_release:
             problem = check_reply(reply, spec.block_ids, self._groups, spec.slices)

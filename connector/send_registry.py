@@ -62,6 +62,7 @@ class _Held:
     claimed: int = 0
     done: int = 0
     failed: bool = False
+    hold_until: float = 0.0  # after a failed engine write: free no earlier than this
 
     @property
     def in_flight(self) -> bool:
@@ -88,6 +89,8 @@ class SendRegistry:
         self._lock = threading.Lock()
         self._held: dict[str, _Held] = {}
         self._finished: set[str] = set()
+        # Ended requests whose blocks must stay put a while longer: id -> when they may go.
+        self._holding: dict[str, float] = {}
         # Recently ended ids, so a late or repeated pull gets a precise log line at once.
         self._ended: OrderedDict[str, Outcome] = OrderedDict()
         self._remember = remember_ended
@@ -233,19 +236,27 @@ class SendRegistry:
 
     # --- ending ------------------------------------------------------------------------------
 
-    def finish(self, transfer_id: str, outcome: Outcome) -> None:
+    def finish(self, transfer_id: str, outcome: Outcome, hold_s: float = 0.0) -> None:
         """End one claimed part (SENT or FAILED); when the last part ends, the request
-        ends and its blocks are freed at the next take_finished()."""
+        ends and its blocks are freed at the next take_finished().
+
+        ``hold_s``: the engine may still read these blocks (a failed write it can retry
+        when the path heals), so they are freed only this long after the request ends.
+        """
         with self._lock:
             held = self._held.get(transfer_id)
             if held is None or not held.in_flight:
                 return
             held.done += 1
             held.failed = held.failed or outcome != Outcome.SENT
+            held.hold_until = max(held.hold_until, self._clock() + hold_s if hold_s else 0.0)
             if held.done < held.parts:
                 return
             del self._held[transfer_id]
             self._end(transfer_id, Outcome.FAILED if held.failed else Outcome.SENT)
+            if held.hold_until > self._clock():
+                self._finished.discard(transfer_id)
+                self._holding[transfer_id] = held.hold_until
 
     def expire(self) -> list[str]:
         """End requests older than the expiry with no part in flight (no pull came, or
@@ -268,8 +279,12 @@ class SendRegistry:
         return stale
 
     def take_finished(self) -> set[str]:
+        now = self._clock()
         with self._lock:
             done, self._finished = self._finished, set()
+            for tid in [t for t, until in self._holding.items() if until <= now]:
+                del self._holding[tid]
+                done.add(tid)
         return done
 
     def close(self) -> None:
@@ -281,8 +296,9 @@ class SendRegistry:
             wake(False)
 
     def num_held(self) -> int:
+        """Requests whose blocks are held: for a decoder, or after a failed write."""
         with self._lock:
-            return len(self._held)
+            return len(self._held) + len(self._holding)
 
     def num_parked(self) -> int:
         with self._lock:

@@ -85,6 +85,7 @@ class PushLimits:
     max_batch_bytes: int = 256 << 20
     max_items_per_pull: int = 256
     max_queued_pushes: int = 1024
+    failed_push_hold_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -374,8 +375,10 @@ class PushHandler:
                 )
         except Exception as exc:
             # Whatever went wrong, a claimed request must end here or its blocks are stranded
-            # (expiry skips claimed requests).
-            self._registry.finish(tid, Outcome.FAILED)
+            # (expiry skips claimed requests). After an engine failure the engine may still
+            # read these blocks later, so they stay put a while (failed_push_hold_s).
+            hold = self._limits.failed_push_hold_s if isinstance(exc, TransferError) else 0.0
+            self._registry.finish(tid, Outcome.FAILED, hold)
             self._rec.event("push_failures")
             expected = isinstance(exc, (ValueError, TransferError, TimeoutError))
             logger.error(

@@ -61,6 +61,11 @@ class ConnectorSettings:
     # Decoder: after a pull times out, wait this long before vLLM may reuse its blocks, so
     # bytes a frozen or partitioned path still had in flight land first.
     late_write_grace_s: float = 1.0
+    # Prefiller: after the engine failed a push (e.g. the decoder's ports were cut off), keep
+    # that request's blocks this long before vLLM may reuse them. Mooncake's TCP transport
+    # may still deliver the failed write once the path heals, reading our blocks then: held,
+    # they still hold this request's KV, not another's (seen in the chaos soak).
+    failed_push_hold_s: float = 30.0
     # Decoder: ask for a keyed digest of the pushed bytes and check it before reporting the
     # load done (costs a hash of the blocks on both sides).
     verify_digest: bool = False
@@ -127,8 +132,11 @@ class ConnectorSettings:
             raise ValueError("connector setting max_message_bytes must be at least 64 KiB")
         if self.max_batch_bytes < 1 << 20:
             raise ValueError("connector setting max_batch_bytes must be at least 1 MiB")
-        if self.idle_wait_ms < 0 or self.late_write_grace_s < 0:
-            raise ValueError("connector settings idle_wait_ms, late_write_grace_s: not negative")
+        if self.idle_wait_ms < 0 or self.late_write_grace_s < 0 or self.failed_push_hold_s < 0:
+            raise ValueError(
+                "connector settings idle_wait_ms, late_write_grace_s, failed_push_hold_s: "
+                "not negative"
+            )
         if not self.protocol:
             raise ValueError("connector setting protocol must not be empty")
 

@@ -124,6 +124,7 @@ class P2pWorker:
                 max_batch_bytes=self._settings.max_batch_bytes,
                 max_items_per_pull=self._settings.max_items_per_pull,
                 max_queued_pushes=self._settings.max_queued_pushes,
+                failed_push_hold_s=self._settings.failed_push_hold_s,
             )
             memory = self.memory
             tp_place = None

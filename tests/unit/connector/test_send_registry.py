@@ -255,3 +255,19 @@ def test_a_missing_part_expires_once_nothing_is_in_flight():
     assert reg.take_finished() == set()
     assert reg.expire() == ["t"]  # the second decoder rank never came
     assert reg.take_finished() == {"t"} and reg.counts[Outcome.EXPIRED] == 1
+
+
+def test_blocks_of_a_failed_engine_write_are_held_before_they_are_freed():
+    """The engine may deliver a failed write later, reading our blocks then: they must
+    still hold this request's KV (the chaos soak's wrong answers), so they wait."""
+    clock = Clock()
+    reg = SendRegistry(expiry_s=60, clock=clock)
+    reg.add("t", [[1]], "k")
+    reg.claim("t", "k")
+    reg.finish("t", Outcome.FAILED, hold_s=30)
+    assert reg.take_finished() == set() and reg.num_held() == 1
+    with pytest.raises(ClaimError):
+        reg.claim("t", "k")  # ended: no new pull gets it
+    clock.now += 30
+    assert reg.take_finished() == {"t"} and reg.num_held() == 0
+    assert reg.counts[Outcome.FAILED] == 1

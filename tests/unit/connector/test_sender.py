@@ -409,3 +409,24 @@ def test_a_decoder_rank_asking_the_wrong_prefill_rank_is_refused_by_name():
     req = _tp_pull(_heads_caches(1, None), 1, 2, 0, [[4]])
     h.accept(msgspec.structs.replace(req, items=[PullItem("u", "k", [[4]])]), replies.append)
     assert not replies[-1].ok and "pulled from prefiller rank 1" in replies[-1].error
+
+
+def test_blocks_behind_a_failed_engine_write_are_held_not_freed_at_once():
+    from connector.transport import TransferError
+
+    reg = SendRegistry(expiry_s=60)
+    reg.add("t", [[1]], "k")
+
+    def fail(*args):
+        raise TransferError("batch_transfer_sync_write", -1)
+
+    replies: list[PullReply] = []
+    h = handler(reg, fail, failed_push_hold_s=30)
+    h.accept(pull([PullItem("t", "k", [[2]])]), replies.append)
+    (reply,) = replies
+    assert not reply.ok and reply.error.startswith("decoder unreachable")
+    assert reg.take_finished() == set() and reg.num_held() == 1  # held for the engine
+    reg.add("u", [[1]], "k")
+    h2 = handler(reg, lambda *a: (_ for _ in ()).throw(ValueError("bad plan")))
+    h2.accept(pull([PullItem("u", "k", [[2]])]), replies.append)
+    assert reg.take_finished() == {"u"}  # nothing reached the engine: freed at once
