@@ -35,6 +35,8 @@ BLOCK = 32
 P_PORT, D_PORT, X_PORT, SIDE = 8100, 8200, 8000, 17100
 MC_MIN, MC_MAX = 15100, 15131
 PULL_TIMEOUT_S, EXPIRY_S = 5, 8
+# A failed push's blocks stay held this long (the engine may deliver the write later).
+HOLD_S = 4
 
 
 @dataclass
@@ -103,7 +105,14 @@ def lab(tmp_path_factory):
             log_dir,
             core=0,
             **common,
-            kv=kv_config("prefill", SIDE, host=netns.KV_A, bind_host=netns.KV_A, expiry_s=EXPIRY_S),
+            kv=kv_config(
+                "prefill",
+                SIDE,
+                host=netns.KV_A,
+                bind_host=netns.KV_A,
+                expiry_s=EXPIRY_S,
+                failed_push_hold_s=HOLD_S,
+            ),
         )
         # No prefix cache on the decoder: every request transfers (or, failing, recomputes)
         # its whole prompt, so repeated prompts stay comparable with the reference.
@@ -275,7 +284,7 @@ def test_blocked_transfer_port_fails_fast_and_frees(lab: Lab):
     assert recomputed == prompt_len("longest", BLOCK)
     assert re.search(r"transfer \S+ to \S+ failed: ", (lab.log_dir / "prefill.log").read_text())
     assert re.search(r"pull from \S+ failed: ", (lab.log_dir / "decode.log").read_text())
-    assert_no_blocks_held(lab, timeout=10)
+    assert_no_blocks_held(lab, timeout=10 + HOLD_S)
 
 
 def assert_no_blocks_held(lab: Lab, timeout: float) -> None:

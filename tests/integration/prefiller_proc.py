@@ -44,6 +44,9 @@ def main() -> None:
             "ready_timeout_s": cfg.get("ready_timeout_s", 1),
             "max_segments_per_batch": cfg.get("max_segments_per_batch", 1000),
             "max_message_bytes": cfg.get("max_message_bytes", 16 << 20),
+            # Tests here watch blocks freed right after a failed push; the hold itself
+            # (failed_push_hold_s) is covered in tests/unit/connector.
+            "failed_push_hold_s": cfg.get("failed_push_hold_s", 0),
         },
         env={},
     )

@@ -256,7 +256,7 @@ def test_frozen_decoder_does_not_stall_others_and_its_push_ends(prefiller, decod
     import subprocess
     import sys
 
-    from tests.integration.test_push_pull import ROOT
+    from tests.integration.proc import ROOT
 
     proc = subprocess.Popen(
         [
