@@ -28,6 +28,7 @@ from connector.recorder import TransferRecorder
 from connector.settings import ConnectorSettings
 from connector.tp import Slice
 from connector.wire import (
+    ENGINE_FAILED,
     PROTOCOL_VERSION,
     Compat,
     PullItem,
@@ -43,8 +44,6 @@ logger = get_logger(__name__)
 # A prefiller whose side-channel connection has been refused or closed this long is dead to
 # a new pull (a restarted one accepts at once, so this only delays the recompute).
 DEAD_PEER_S = 1.0
-# How a prefiller's reply says its transfer engine failed to write to us (sender.py).
-ENGINE_FAILED = "decoder unreachable"
 
 
 @dataclass(frozen=True)

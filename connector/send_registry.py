@@ -249,14 +249,13 @@ class SendRegistry:
                 return
             held.done += 1
             held.failed = held.failed or outcome != Outcome.SENT
-            held.hold_until = max(held.hold_until, self._clock() + hold_s if hold_s else 0.0)
+            if hold_s:
+                held.hold_until = max(held.hold_until, self._clock() + hold_s)
             if held.done < held.parts:
                 return
             del self._held[transfer_id]
-            self._end(transfer_id, Outcome.FAILED if held.failed else Outcome.SENT)
-            if held.hold_until > self._clock():
-                self._finished.discard(transfer_id)
-                self._holding[transfer_id] = held.hold_until
+            outcome = Outcome.FAILED if held.failed else Outcome.SENT
+            self._end(transfer_id, outcome, held.hold_until)
 
     def expire(self) -> list[str]:
         """End requests older than the expiry with no part in flight (no pull came, or
@@ -304,8 +303,11 @@ class SendRegistry:
         with self._lock:
             return self._num_parked
 
-    def _end(self, transfer_id: str, outcome: Outcome) -> None:
-        self._finished.add(transfer_id)
+    def _end(self, transfer_id: str, outcome: Outcome, free_at: float = 0.0) -> None:
+        if free_at > self._clock():
+            self._holding[transfer_id] = free_at  # freed by take_finished() from then on
+        else:
+            self._finished.add(transfer_id)
         self.counts[outcome] += 1
         self._remember_ended(transfer_id, outcome)
 

@@ -32,6 +32,7 @@ from connector.send_registry import ClaimError, Outcome, SendRegistry
 from connector.tp import Slice, byte_slice, cover, rank_heads
 from connector.transport import TransferError
 from connector.wire import (
+    ENGINE_FAILED,
     Compat,
     GroupGeometry,
     PullItem,
@@ -46,9 +47,6 @@ logger = get_logger(__name__)
 
 WriteFn = Callable[[str, list[int], list[int], list[int]], None]
 Respond = Callable[[PullReply], None]
-
-# The reply error prefix for a push the engine could not write to the decoder.
-_UNREACHABLE = "decoder unreachable"
 
 
 def plan_item(
@@ -319,7 +317,7 @@ class PushHandler:
             unreachable = False
             try:
                 reply = self._push(job)
-                unreachable = reply.error.startswith(_UNREACHABLE)
+                unreachable = reply.error.startswith(ENGINE_FAILED)
             except Exception as exc:  # never leave a claimed request or a queue behind
                 self._registry.finish(job.item.transfer_id, Outcome.FAILED)
                 logger.exception("push of %s failed unexpectedly", safe(job.item.transfer_id))
@@ -350,7 +348,7 @@ class PushHandler:
                     job.req.msg_id,
                     job.item.transfer_id,
                     ok=False,
-                    error=f"{_UNREACHABLE}: an earlier push to it failed",
+                    error=f"{ENGINE_FAILED}: an earlier push to it failed",
                 )
             )
 
@@ -390,7 +388,7 @@ class PushHandler:
             )
             error = str(exc)[:450]
             if isinstance(exc, TransferError):
-                error = f"{_UNREACHABLE}: {error}"
+                error = f"{ENGINE_FAILED}: {error}"
             return PullReply(req.msg_id, tid, ok=False, error=error)
         elapsed = time.perf_counter() - t0
         self._registry.finish(tid, Outcome.SENT)

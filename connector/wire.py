@@ -30,6 +30,10 @@ MAX_ID_LEN = 256  # transfer ids, secrets, engine ids, sessions
 MAX_ERROR_LEN = 1024
 MAX_TP = 1024  # tensor-parallel ranks
 
+# A reply error starting with this says the prefiller's transfer engine failed to write to
+# the decoder (or a push before it did): bytes may still land later (see receiver.py).
+ENGINE_FAILED = "decoder unreachable"
+
 Address = Annotated[int, msgspec.Meta(ge=0)]
 BlockId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 40)]
 Ident = Annotated[str, msgspec.Meta(max_length=MAX_ID_LEN)]

@@ -243,14 +243,15 @@ def test_ejection_share_is_capped_by_max_ejection_percent():
     assert not any(i.breaker.ejected for i in none.instances)
 
 
+def two_with_a_clock(now: list[float]) -> Pool:
+    """Two decoders ejected after one gateway failure for 5 s of ``now[0]``'s clock."""
+    breaker = BreakerSettings(gateway_failures=1, open_s=5)
+    return Pool("decode", specs(2), breaker=breaker, clock=lambda: now[0])
+
+
 def test_refused_ejection_happens_once_room_returns():
     now = [0.0]
-    pool = Pool(
-        "decode",
-        specs(2),
-        breaker=BreakerSettings(gateway_failures=1, open_s=5),
-        clock=lambda: now[0],
-    )
+    pool = two_with_a_clock(now)
     a, b = pool.instances
     pool.failure(a, "gateway")
     pool.failure(b, "gateway")
@@ -269,12 +270,7 @@ def test_refused_ejection_happens_once_room_returns():
 def test_a_trial_that_ends_with_no_verdict_goes_back():
     """A client that hangs up during the half-open trial must not block the instance."""
     now = [0.0]
-    pool = Pool(
-        "decode",
-        specs(2),
-        breaker=BreakerSettings(gateway_failures=1, open_s=5),
-        clock=lambda: now[0],
-    )
+    pool = two_with_a_clock(now)
     a, _ = pool.instances
     pool.failure(a, "gateway")
     now[0] = 5.0
